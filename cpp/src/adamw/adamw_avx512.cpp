@@ -1,0 +1,61 @@
+// AdamW with AVX-512 (F/BW/VL), 16 lanes, masked tail. Built with -mavx512f -mavx512bw
+// -mavx512vl -mfma; only called when CPUID says so.
+#include <immintrin.h>
+
+#include "trainstream/adamw.hpp"
+
+namespace trainstream::kernels {
+
+namespace {
+
+inline __m512 load_grad(const AdamWBuffers& b, std::size_t i, __mmask16 k) {
+  if (b.grad_dtype == DType::bfloat16) {
+    const __m256i h = _mm256_maskz_loadu_epi16(k, static_cast<const std::uint16_t*>(b.grad) + i);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+  return _mm512_maskz_loadu_ps(k, static_cast<const float*>(b.grad) + i);
+}
+
+// Round to nearest even, NaN -> 0x7fc0, exactly as float_to_bf16().
+inline __m256i to_bf16(__m512 x) {
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded =
+      _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+  rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7fc0));
+  return _mm512_cvtepi32_epi16(rounded);
+}
+
+}  // namespace
+
+void adamw_avx512(const AdamWBuffers& b, const AdamWCoeffs& c, std::size_t begin, std::size_t end) {
+  const __m512 decay = _mm512_set1_ps(c.decay);
+  const __m512 lerp = _mm512_set1_ps(c.lerp_coeff);
+  const __m512 beta2 = _mm512_set1_ps(c.beta2);
+  const __m512 omb2 = _mm512_set1_ps(c.one_minus_beta2);
+  const __m512 bc2 = _mm512_set1_ps(c.bc2_sqrt);
+  const __m512 eps = _mm512_set1_ps(c.eps);
+  const __m512 nss = _mm512_set1_ps(c.neg_step_size);
+  const __m512 scale = _mm512_set1_ps(c.grad_scale);
+  const __m512i sign = _mm512_set1_epi32(c.maximize ? static_cast<int>(0x80000000u) : 0);
+  for (std::size_t i = begin; i < end; i += 16) {
+    const std::size_t left = end - i;
+    const __mmask16 k = left >= 16 ? __mmask16(0xffff) : __mmask16((1u << left) - 1);
+    const __m512 g = _mm512_castsi512_ps(
+        _mm512_xor_si512(_mm512_castps_si512(_mm512_mul_ps(load_grad(b, i, k), scale)), sign));
+    const __m512 p = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, b.param + i), decay);
+    const __m512 m0 = _mm512_maskz_loadu_ps(k, b.exp_avg + i);
+    const __m512 m = _mm512_fmadd_ps(lerp, _mm512_sub_ps(g, m0), c.lerp_from_start ? m0 : g);
+    const __m512 v = _mm512_fmadd_ps(_mm512_mul_ps(omb2, g), g,
+                                     _mm512_mul_ps(_mm512_maskz_loadu_ps(k, b.exp_avg_sq + i), beta2));
+    const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), bc2), eps);
+    const __m512 pn = _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(nss, m), denom));
+    _mm512_mask_storeu_ps(b.exp_avg + i, k, m);
+    _mm512_mask_storeu_ps(b.exp_avg_sq + i, k, v);
+    _mm512_mask_storeu_ps(b.param + i, k, pn);
+    if (b.param_bf16) _mm256_mask_storeu_epi16(b.param_bf16 + i, k, to_bf16(pn));
+  }
+}
+
+}  // namespace trainstream::kernels

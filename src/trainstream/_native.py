@@ -1,0 +1,25 @@
+"""Loads the compiled core, so that a broken or partial install says what is wrong."""
+
+from __future__ import annotations
+
+try:
+    from trainstream import _C
+except ImportError as exc:  # pragma: no cover - only on a broken install
+    raise ImportError(
+        "trainstream's native module (trainstream._C) is missing or failed to load: "
+        f"{exc}. Reinstall with `pip install --force-reinstall trainstream`, or from a checkout "
+        "with `pip install .`."
+    ) from exc
+
+TrainStreamError = _C.TrainStreamError
+UnsupportedError = _C.UnsupportedError
+
+
+def require_cuda_build() -> None:
+    """Raise a clear error when the core was built without the CUDA copy engine."""
+    if not _C.has_cuda:
+        raise UnsupportedError(
+            "this trainstream build has no CUDA support (it was compiled without a CUDA toolkit). "
+            "Install a CUDA wheel, or rebuild with nvcc on PATH: "
+            "CMAKE_ARGS=-DTRAINSTREAM_WITH_CUDA=ON pip install ."
+        )
