@@ -22,6 +22,7 @@ T* as_ptr(std::uintptr_t address) {
 }
 
 void bind_adamw(py::module_& m);
+void bind_pipeline(py::module_& m);
 void bind_cuda(py::module_& m);
 
 }  // namespace trainstream::bindings

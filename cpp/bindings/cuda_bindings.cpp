@@ -1,6 +1,10 @@
 // Bindings for the CUDA copy engine; compiled only in CUDA builds.
 #include "common.hpp"
+#include <pybind11/stl.h>
+
+#include "trainstream/cuda/cuda_transfer.hpp"
 #include "trainstream/cuda/device.hpp"
+#include "trainstream/offload_pipeline.hpp"
 
 namespace trainstream::bindings {
 
@@ -14,6 +18,17 @@ void bind_cuda(py::module_& m) {
     d["error"] = info.error;
     return d;
   }, "CUDA runtime and driver versions and the device count; never raises.");
+
+  m.def("cuda_pipeline",
+        [](int device, std::uintptr_t download_stream, std::uintptr_t upload_stream, std::size_t threads,
+           const std::optional<std::string>& isa) {
+          return std::make_unique<OffloadPipeline>(
+              std::make_unique<CudaTransfer>(device, download_stream, upload_stream), threads,
+              parse_optional_isa(isa));
+        },
+        py::arg("device"), py::arg("download_stream"), py::arg("upload_stream"), py::arg("threads") = 0,
+        py::arg("isa") = py::none(),
+        "An offload pipeline over pinned host memory, copying on the two given CUDA streams.");
 }
 
 }  // namespace trainstream::bindings

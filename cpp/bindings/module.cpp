@@ -50,6 +50,7 @@ PYBIND11_MODULE(_C, m) {
      "The ISA the engine would run: the one given, else $TRAINSTREAM_ISA, else the best.");
 
   bindings::bind_adamw(m);
+  bindings::bind_pipeline(m);
 #ifdef TRAINSTREAM_HAS_CUDA
   bindings::bind_cuda(m);
 #endif

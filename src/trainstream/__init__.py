@@ -1,7 +1,13 @@
-"""TrainStream: train models larger than the GPU's memory on one GPU."""
+"""TrainStream: train models larger than the GPU's memory on one GPU.
+
+    model, optimizer = trainstream.wrap(model, optimizer)
+"""
 
 __version__ = "0.1.0"
 
-from trainstream.host_adamw import HostAdamW  # noqa: E402
+from trainstream.errors import UnsupportedSetupError  # noqa: E402
+from trainstream.host_adamw import HostAdamW, measure_triad  # noqa: E402
+from trainstream.optimizer import OffloadedAdamW  # noqa: E402
+from trainstream.wrap import wrap  # noqa: E402
 
-__all__ = ["HostAdamW", "__version__"]
+__all__ = ["HostAdamW", "OffloadedAdamW", "UnsupportedSetupError", "__version__", "measure_triad", "wrap"]

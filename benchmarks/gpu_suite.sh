@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Build, test and benchmark on a CUDA machine in one go; logs and JSON land in $1 (default ./gpu-results).
+#   bash benchmarks/gpu_suite.sh [OUTDIR] [STAGES]   STAGES: comma list of build,tests,adamw,step,sanitize
+set -uo pipefail
+out="${1:-gpu-results}"
+stages=",${2:-build,tests,adamw,step},"
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+has() { [[ "$stages" == *",$1,"* ]]; }
+
+{ nvidia-smi --query-gpu=name,memory.total,pcie.link.gen.current,pcie.link.width.current --format=csv
+  nproc; grep -E "MemTotal|MemAvailable|model name" /proc/meminfo /proc/cpuinfo | sort -u | head -4
+  python3 -c "import torch; print('torch', torch.__version__, torch.version.cuda)"; } 2>&1 | tee "$out/machine.txt"
+
+if has build; then
+  (cd "$repo" && CMAKE_ARGS="-DCMAKE_CUDA_ARCHITECTURES=90 -DTRAINSTREAM_WITH_CUDA=ON" \
+    python3 -m pip install --no-build-isolation --no-deps -q . ) 2>&1 | tail -5 | tee "$out/build.log" || exit 1
+  cmake -S "$repo" -B /tmp/ts-build -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null && cmake --build /tmp/ts-build -j >/dev/null \
+    && (cd /tmp/ts-build && ctest 2>&1 | tail -3) | tee -a "$out/build.log"
+fi
+if has tests; then
+  (cd /tmp && python3 -m pytest "$repo/tests" -q -ra 2>&1) | tee "$out/pytest.log" | tail -25
+fi
+if has adamw; then
+  python3 "$repo/benchmarks/adamw_vs_torch.py" --params 268435456 --json 2>&1 | tee "$out/adamw_vs_torch.log" | tail -15
+  [ -x /tmp/ts-build/benchmarks/bench_host_adamw ] && /tmp/ts-build/benchmarks/bench_host_adamw --params 268435456 --threads 4,8,16 \
+    --json "$out/bench_host_adamw.json" 2>&1 | tail -20 | tee "$out/bench_host_adamw.log"
+fi
+if has step; then
+  for acc in 1 8; do
+    python3 "$repo/benchmarks/train_step.py" --acc "$acc" --modes gpu-adamw,trainstream,torchao \
+      --json "$out/train_step_acc$acc.json" --plot "$out/train_step_acc$acc.png" 2>&1 | tail -8
+  done
+fi
+if has sanitize; then
+  for tool in memcheck racecheck; do
+    (cd /tmp && timeout 300 compute-sanitizer --tool "$tool" --target-processes all python3 -m pytest \
+      "$repo/tests/test_wrap_gpu.py" -q -x -k "no_gradient or parity_on_gpu and plain and fp32" 2>&1) \
+      | tail -8 | tee "$out/sanitizer_$tool.log"
+  done
+fi

@@ -1,0 +1,186 @@
+"""Steady-state training step time and peak VRAM, side by side in one process.
+
+    python benchmarks/train_step.py --hidden 2048 --layers 16 --batch 4 --seq 1024 \
+        --modes gpu-adamw,trainstream --json out.json --plot out.png
+
+Model: a Llama-style decoder (transformers' LlamaForCausalLM built from a config when
+transformers is installed, else a small built-in equivalent). Step time is the wall time of
+--steps consecutive optimizer steps after --warmup steps, divided by --steps, measured only once
+everything (host threads included) has finished. Modes whose package is not installed
+(torchao, deepspeed) are reported as skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+
+import torch
+
+import trainstream
+
+
+def build_model(args) -> torch.nn.Module:
+    try:
+        from transformers import LlamaConfig, LlamaForCausalLM
+    except ImportError:  # pragma: no cover - transformers is optional
+        sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "tests"))
+        from tiny_models import TinyLM
+
+        return TinyLM(vocab=args.vocab, dim=args.hidden, layers=args.layers, heads=args.heads, seq=args.seq)
+    config = LlamaConfig(
+        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate or int(2.6875 * args.hidden),
+        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.heads,
+        max_position_embeddings=args.seq, tie_word_embeddings=False,
+    )
+    config._attn_implementation = "sdpa"
+    return LlamaForCausalLM(config)
+
+
+def loss_of(model, tokens):
+    out = model(input_ids=tokens, labels=tokens) if hasattr(model, "config") else None
+    if out is not None:
+        return out.loss
+    return model.loss(tokens)
+
+
+def run_mode(mode: str, args) -> dict:
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if args.weights == "bf16" else torch.float32
+    with torch.device("cuda"):
+        model = build_model(args).to(dtype)
+    params = sum(p.numel() for p in model.parameters())
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
+    sync = lambda: None  # noqa: E731
+    if mode == "gpu-adamw":
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=True)
+    elif mode == "trainstream":
+        model, opt = trainstream.wrap(model, opt, accumulation_steps=args.acc, max_grad_norm=args.clip)
+        sync = opt.synchronize
+    elif mode == "torchao":
+        from torchao.optim import CPUOffloadOptimizer  # noqa: F401 - skipped when missing
+
+        opt = CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-4, weight_decay=0.01)
+    else:
+        raise ValueError(f"unknown mode {mode}")
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    tokens = torch.randint(0, args.vocab, (args.batch, args.seq), device="cuda", generator=g)
+    acc = args.acc
+
+    def one_step():
+        for _ in range(acc):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = loss_of(model, tokens)
+            (loss / acc).backward()
+        if args.clip is not None and mode != "trainstream":
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    for _ in range(args.warmup):
+        loss = one_step()
+    sync()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        loss = one_step()
+    sync()
+    torch.cuda.synchronize()
+    seconds = (time.perf_counter() - t0) / args.steps
+    result = {
+        "mode": mode, "params": params, "step_s": seconds, "loss": float(loss),
+        "peak_vram_GB": torch.cuda.max_memory_allocated() / 1e9, "weights_GB": weight_bytes / 1e9,
+        "tokens_per_s": args.batch * args.seq * acc / seconds,
+    }
+    if mode == "trainstream":
+        result["report"] = opt.report()
+        opt.remove_hooks()
+    del model, opt, tokens
+    gc.collect()
+    torch.cuda.empty_cache()
+    return result
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--intermediate", type=int, default=5632)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--acc", type=int, default=1)
+    ap.add_argument("--clip", type=float, default=None)
+    ap.add_argument("--weights", choices=["fp32", "bf16"], default="fp32",
+                    help="fp32 weights under bf16 autocast, or bf16 weights")
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--vram-cap-gb", type=float, default=None,
+                    help="cap this process's VRAM (torch.cuda.set_per_process_memory_fraction)")
+    ap.add_argument("--modes", default="gpu-adamw,trainstream,torchao")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--plot", default=None)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("train_step.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    if args.vram_cap_gb:
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.vram_cap_gb * 1e9 / total))
+    results = []
+    for mode in args.modes.split(","):
+        try:
+            results.append(run_mode(mode, args))
+        except ImportError as exc:
+            results.append({"mode": mode, "skipped": f"not installed ({exc.name})"})
+        except torch.OutOfMemoryError:
+            results.append({"mode": mode, "error": "out of memory"})
+            gc.collect()
+            torch.cuda.empty_cache()
+        print(json.dumps({k: v for k, v in results[-1].items() if k != "report"}), flush=True)
+    base = next((r["step_s"] for r in results if r.get("mode") == "gpu-adamw" and "step_s" in r), None)
+    print(f"\n{torch.cuda.get_device_name()}  hidden={args.hidden} layers={args.layers} batch={args.batch}x{args.seq} "
+          f"acc={args.acc} weights={args.weights}")
+    print(f"{'mode':<14}{'params':>10}{'step s':>9}{'vs gpu':>8}{'peak VRAM GB':>14}{'loss':>8}")
+    for r in results:
+        if "step_s" not in r:
+            print(f"{r['mode']:<14}  {r.get('skipped') or r.get('error')}")
+            continue
+        ratio = f"{r['step_s'] / base:.2f}x" if base else "-"
+        print(f"{r['mode']:<14}{r['params'] / 1e9:>9.2f}B{r['step_s']:>9.3f}{ratio:>8}{r['peak_vram_GB']:>14.2f}{r['loss']:>8.3f}")
+    record = {"args": vars(args), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "trainstream": trainstream.__version__, "results": results}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(record, f, indent=1)
+    if args.plot:
+        plot(results, args.plot)
+    return 0
+
+
+def plot(results, path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    done = [r for r in results if "step_s" in r]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.5))
+    a.bar([r["mode"] for r in done], [r["step_s"] for r in done], color="#4472c4")
+    a.set_ylabel("seconds per step")
+    b.bar([r["mode"] for r in done], [r["peak_vram_GB"] for r in done], color="#ed7d31")
+    b.set_ylabel("peak VRAM (GB)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,124 @@
+#include <pybind11/stl.h>
+
+#include "common.hpp"
+#include "trainstream/offload_pipeline.hpp"
+
+namespace trainstream::bindings {
+
+namespace {
+
+// A view of one host buffer that keeps its owner alive: torch.frombuffer(view, dtype=...) gives a
+// tensor over the buffer for as long as the tensor lives.
+struct HostView {
+  std::shared_ptr<HostParam> owner;
+  void* data;
+  std::size_t bytes;
+};
+
+GradJob make_job(bool accumulate, bool overwrite, bool from_accumulator, bool norm, bool update,
+                 double lr, double beta1, double beta2, double eps, double weight_decay,
+                 std::int64_t step, double grad_scale, bool maximize, std::uintptr_t device_weight) {
+  GradJob job;
+  job.accumulate = accumulate;
+  job.overwrite = overwrite;
+  job.from_accumulator = from_accumulator;
+  job.norm = norm;
+  job.update = update;
+  job.hyper = AdamWHyper{lr, beta1, beta2, eps, weight_decay, step, grad_scale, maximize};
+  job.device_weight = device_weight;
+  if (update) adamw_coeffs(job.hyper);  // reject bad hyperparameters here, not in the worker
+  return job;
+}
+
+}  // namespace
+
+void bind_pipeline(py::module_& m) {
+  py::class_<HostView>(m, "HostView", py::buffer_protocol())
+      .def_buffer([](HostView& v) {
+        return py::buffer_info(v.data, 1, py::format_descriptor<std::uint8_t>::format(), 1,
+                               {static_cast<py::ssize_t>(v.bytes)}, {1});
+      })
+      .def_property_readonly("address", [](const HostView& v) { return reinterpret_cast<std::uintptr_t>(v.data); })
+      .def_property_readonly("nbytes", [](const HostView& v) { return v.bytes; });
+
+  py::class_<HostParam, std::shared_ptr<HostParam>>(m, "HostParam")
+      .def_property_readonly("numel", [](const HostParam& p) { return p.numel; })
+      .def_property_readonly("weight_dtype", [](const HostParam& p) {
+        return std::string(p.weight_dtype == DType::bfloat16 ? "bfloat16" : "float32");
+      })
+      .def_property_readonly("squared_norm", [](const HostParam& p) { return p.squared_norm; })
+      .def_property_readonly("has_accumulator", [](const HostParam& p) { return p.accumulator != nullptr; })
+      .def("view", [](const std::shared_ptr<HostParam>& p, const std::string& name) {
+        if (name == "master") return HostView{p, p->master, 4 * p->numel};
+        if (name == "exp_avg") return HostView{p, p->exp_avg, 4 * p->numel};
+        if (name == "exp_avg_sq") return HostView{p, p->exp_avg_sq, 4 * p->numel};
+        if (name == "grad") return HostView{p, p->grad, p->weight_bytes()};
+        if (name == "accumulator" && p->accumulator) return HostView{p, p->accumulator, 4 * p->numel};
+        throw std::invalid_argument("HostParam has no buffer '" + name + "'");
+      }, py::arg("name"), "Bytes of one buffer: master, exp_avg, exp_avg_sq, grad or accumulator.");
+
+  py::class_<OffloadPipeline>(m, "OffloadPipeline")
+      .def_property_readonly("isa", [](OffloadPipeline& o) { return std::string(isa_name(o.engine().isa())); })
+      .def_property_readonly("threads", [](OffloadPipeline& o) { return o.engine().threads(); })
+      .def_property_readonly("on_device", [](OffloadPipeline& o) { return o.transfer().is_device(); })
+      .def_property_readonly("host_memory_kind", [](OffloadPipeline& o) { return std::string(o.transfer().arena().kind()); })
+      .def_property_readonly("host_reserved_bytes", [](OffloadPipeline& o) { return o.transfer().arena().reserved_bytes(); })
+      .def_property_readonly("host_used_bytes", [](OffloadPipeline& o) { return o.transfer().arena().used_bytes(); })
+      .def_property_readonly("pending", &OffloadPipeline::pending)
+      .def("add_param", [](OffloadPipeline& o, std::size_t numel, const std::string& dtype, bool accumulate) {
+             py::gil_scoped_release release;
+             return o.add_param(numel, parse_dtype(dtype), accumulate);
+           }, py::arg("numel"), py::arg("weight_dtype"), py::arg("accumulate"))
+      .def("load_weights", [](OffloadPipeline& o, HostParam& p, std::uintptr_t weight, std::uintptr_t stream) {
+             py::gil_scoped_release release;
+             o.load_weights(p, weight, stream);
+           }, py::arg("param"), py::arg("device_weight"), py::arg("stream") = 0)
+      .def("land_gradient",
+           [](OffloadPipeline& o, const std::shared_ptr<HostParam>& p, std::uintptr_t grad, std::uintptr_t stream,
+              bool accumulate, bool overwrite, bool from_accumulator, bool norm, bool update, double lr,
+              double beta1, double beta2, double eps, double weight_decay, std::int64_t step,
+              double grad_scale, bool maximize, std::uintptr_t device_weight) {
+             const GradJob job = make_job(accumulate, overwrite, from_accumulator, norm, update, lr, beta1,
+                                          beta2, eps, weight_decay, step, grad_scale, maximize, device_weight);
+             py::gil_scoped_release release;
+             o.land_gradient(p, grad, stream, job);
+           },
+           py::arg("param"), py::arg("device_grad"), py::arg("stream"), py::kw_only(),
+           py::arg("accumulate") = false, py::arg("overwrite") = false, py::arg("from_accumulator") = false,
+           py::arg("norm") = false, py::arg("update") = false, py::arg("lr") = 0.0, py::arg("beta1") = 0.9,
+           py::arg("beta2") = 0.999, py::arg("eps") = 1e-8, py::arg("weight_decay") = 0.0,
+           py::arg("step") = 1, py::arg("grad_scale") = 1.0, py::arg("maximize") = false,
+           py::arg("device_weight") = 0)
+      .def("submit",
+           [](OffloadPipeline& o, const std::shared_ptr<HostParam>& p, bool from_accumulator, bool norm,
+              bool update, double lr, double beta1, double beta2, double eps, double weight_decay,
+              std::int64_t step, double grad_scale, bool maximize, std::uintptr_t device_weight) {
+             const GradJob job = make_job(false, false, from_accumulator, norm, update, lr, beta1, beta2, eps,
+                                          weight_decay, step, grad_scale, maximize, device_weight);
+             py::gil_scoped_release release;
+             o.submit(p, job);
+           },
+           py::arg("param"), py::kw_only(), py::arg("from_accumulator") = false, py::arg("norm") = false,
+           py::arg("update") = false, py::arg("lr") = 0.0, py::arg("beta1") = 0.9, py::arg("beta2") = 0.999,
+           py::arg("eps") = 1e-8, py::arg("weight_decay") = 0.0, py::arg("step") = 1,
+           py::arg("grad_scale") = 1.0, py::arg("maximize") = false, py::arg("device_weight") = 0)
+      .def("gate", [](OffloadPipeline& o, const std::vector<std::shared_ptr<HostParam>>& params, std::uintptr_t stream) {
+             std::vector<HostParam*> raw;
+             raw.reserve(params.size());
+             for (const auto& p : params) raw.push_back(p.get());
+             py::gil_scoped_release release;
+             o.gate(raw, stream);
+           }, py::arg("params"), py::arg("stream") = 0)
+      .def("synchronize", [](OffloadPipeline& o) {
+             py::gil_scoped_release release;
+             o.synchronize();
+           });
+
+  m.def("host_pipeline", [](std::size_t threads, const std::optional<std::string>& isa) {
+    return std::make_unique<OffloadPipeline>(std::make_unique<HostTransfer>(), threads, parse_optional_isa(isa));
+  }, py::arg("threads") = 0, py::arg("isa") = py::none(),
+     "An offload pipeline whose 'device' is host memory (CPU mode).");
+  m.def("host_memory_available", &host_memory_available, "MemAvailable in bytes (0 if unknown).");
+}
+
+}  // namespace trainstream::bindings

@@ -1,0 +1,25 @@
+// Host-side gradient arithmetic the offload pipeline needs besides AdamW: summing micro-batch
+// gradients (fp32 accumulator) and squared norms for clipping. Spread over a thread pool.
+#pragma once
+
+#include <cstddef>
+
+#include "trainstream/adamw.hpp"
+#include "trainstream/thread_pool.hpp"
+
+namespace trainstream {
+
+// acc = grad (overwrite) or acc += grad, grad fp32 or bf16, acc fp32.
+void accumulate_grad(ThreadPool& pool, float* acc, const void* grad, DType grad_dtype,
+                     std::size_t numel, bool overwrite);
+
+// Sum of squares, accumulated in double.
+double squared_norm(ThreadPool& pool, const void* data, DType dtype, std::size_t numel);
+
+// dst[i] = float(src[i]) for bf16 src; a plain copy for fp32.
+void to_float32(ThreadPool& pool, float* dst, const void* src, DType src_dtype, std::size_t numel);
+
+// dst[i] = bf16(src[i]), round to nearest even.
+void to_bfloat16(ThreadPool& pool, std::uint16_t* dst, const float* src, std::size_t numel);
+
+}  // namespace trainstream

@@ -1,0 +1,66 @@
+// Host memory for parameters and optimizer state, carved out of large slabs that are allocated
+// (and, on CUDA, pinned) once and then live as long as the arena.
+#pragma once
+
+#include <cstddef>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace trainstream {
+
+// Where slabs come from: pageable memory here, pinned memory in the CUDA build.
+class SlabSource {
+ public:
+  virtual ~SlabSource() = default;
+  virtual void* allocate(std::size_t bytes) = 0;  // throws on failure
+  virtual void release(void* slab, std::size_t bytes) noexcept = 0;
+  virtual const char* kind() const = 0;            // "pageable" | "pinned"
+};
+
+class PageableSlabs : public SlabSource {
+ public:
+  void* allocate(std::size_t bytes) override;
+  void release(void* slab, std::size_t bytes) noexcept override;
+  const char* kind() const override { return "pageable"; }
+};
+
+// Bytes the kernel reports as available to new allocations (MemAvailable), or 0 if unknown.
+std::size_t host_memory_available();
+
+class HostArena {
+ public:
+  static constexpr std::size_t kAlignment = 64;
+
+  explicit HostArena(std::unique_ptr<SlabSource> source, std::size_t slab_bytes = std::size_t(256) << 20);
+  ~HostArena();
+  HostArena(const HostArena&) = delete;
+  HostArena& operator=(const HostArena&) = delete;
+
+  // A 64-byte aligned block that lives as long as the arena. Requests larger than a slab get a
+  // slab of their own. Before growing, checks that the host can hold the new slab and refuses
+  // with the bytes needed if not.
+  void* allocate(std::size_t bytes);
+
+  std::size_t reserved_bytes() const;  // in slabs
+  std::size_t used_bytes() const;      // handed out
+  std::size_t slab_count() const;
+  const char* kind() const { return source_->kind(); }
+
+ private:
+  std::size_t reserved_bytes_locked() const;
+
+  struct Slab {
+    char* base;
+    std::size_t bytes;
+    std::size_t used;
+  };
+  std::unique_ptr<SlabSource> source_;
+  std::size_t slab_bytes_;
+  mutable std::mutex mutex_;
+  std::vector<Slab> slabs_;
+  std::size_t used_ = 0;
+};
+
+}  // namespace trainstream

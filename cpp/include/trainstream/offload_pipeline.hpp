@@ -1,0 +1,114 @@
+// The host half of an offloaded training step. Gradients land in host buffers as autograd
+// produces them; a worker thread then folds them into the accumulator, takes their norm, runs
+// AdamW and uploads the new weights, each parameter as soon as its own gradient is there.
+// Python only enqueues work (from autograd hooks) and waits where ordering demands it.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <thread>
+#include <vector>
+
+#include "trainstream/adamw.hpp"
+#include "trainstream/transfer.hpp"
+
+namespace trainstream {
+
+// One parameter's host state: fp32 master weights, AdamW moments, the landing buffer for its
+// gradient (in the weight dtype; for bf16 weights it also carries the bf16 weights back up) and,
+// with gradient accumulation, an fp32 accumulator.
+class HostParam {
+ public:
+  std::size_t numel = 0;
+  DType weight_dtype = DType::float32;
+  float* master = nullptr;
+  float* exp_avg = nullptr;
+  float* exp_avg_sq = nullptr;
+  void* grad = nullptr;
+  float* accumulator = nullptr;
+  double squared_norm = 0.0;  // of the last gradient measured with GradJob::norm
+
+  std::size_t weight_bytes() const { return numel * dtype_size(weight_dtype); }
+
+ private:
+  friend class OffloadPipeline;
+  std::unique_ptr<TransferSlot> slot_;
+  std::uint64_t queued_ = 0;  // jobs enqueued / finished, under the pipeline's mutex
+  std::uint64_t done_ = 0;
+};
+
+// What the worker does for one parameter, in this order.
+struct GradJob {
+  bool accumulate = false;      // fold the landed gradient into the accumulator...
+  bool overwrite = false;       // ...replacing it (first micro-batch) instead of adding
+  bool from_accumulator = false;  // norm/update read the accumulator, not the landed gradient
+  bool norm = false;            // store the gradient's squared norm in HostParam::squared_norm
+  bool update = false;          // AdamW step with `hyper`
+  AdamWHyper hyper;
+  std::uintptr_t device_weight = 0;  // after the update, upload the weights here (0: don't)
+};
+
+class OffloadPipeline {
+ public:
+  OffloadPipeline(std::unique_ptr<Transfer> transfer, std::size_t threads, std::optional<Isa> isa);
+  ~OffloadPipeline();
+  OffloadPipeline(const OffloadPipeline&) = delete;
+  OffloadPipeline& operator=(const OffloadPipeline&) = delete;
+
+  // Allocates a parameter's host buffers from the arena (zeroed moments).
+  std::shared_ptr<HostParam> add_param(std::size_t numel, DType weight_dtype, bool accumulate);
+
+  // Copies the device weights into the fp32 master (synchronously). For bf16 weights the landing
+  // buffer is used as the staging area.
+  void load_weights(HostParam& p, std::uintptr_t device_weight, std::uintptr_t stream);
+
+  // Queues the download of a freshly produced gradient (ordered after `producer_stream`) and the
+  // job that consumes it. Blocks only while an earlier job still reads the landing buffer.
+  void land_gradient(const std::shared_ptr<HostParam>& p, std::uintptr_t device_grad,
+                     std::uintptr_t producer_stream, const GradJob& job);
+
+  // Queues a job on what has already landed or been accumulated (e.g. the update at step()).
+  void submit(const std::shared_ptr<HostParam>& p, const GradJob& job);
+
+  // Waits until the parameters' queued jobs have finished, then orders `stream` after their
+  // uploads (on the device). This is what a module's forward pre-hook calls.
+  void gate(const std::vector<HostParam*>& params, std::uintptr_t stream);
+
+  // Waits for every queued job. Rethrows the first error a job raised.
+  void synchronize();
+
+  HostAdamW& engine() { return engine_; }
+  Transfer& transfer() { return *transfer_; }
+  std::size_t pending() const;
+
+ private:
+  struct Task {
+    std::shared_ptr<HostParam> param;
+    GradJob job;
+    bool wait_download;
+  };
+  void enqueue(const std::shared_ptr<HostParam>& p, const GradJob& job, bool wait_download);
+  void wait_idle(HostParam& p, std::unique_lock<std::mutex>& lock);
+  void run(Task& task);
+  void worker_loop();
+  void rethrow_locked();
+
+  std::unique_ptr<Transfer> transfer_;
+  HostAdamW engine_;
+
+  mutable std::mutex mutex_;
+  std::condition_variable work_ready_;
+  std::condition_variable job_done_;
+  std::deque<Task> queue_;
+  std::size_t in_flight_ = 0;
+  bool stopping_ = false;
+  std::exception_ptr error_;
+  std::thread worker_;
+};
+
+}  // namespace trainstream

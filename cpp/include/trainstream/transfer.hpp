@@ -1,0 +1,58 @@
+// How bytes move between the device that computes and the host that updates. The offload
+// pipeline is written against this interface: the CUDA build supplies streams and events
+// (cuda/), and HostTransfer below runs the same pipeline on a CPU-only machine with plain copies.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+
+#include "trainstream/host_arena.hpp"
+
+namespace trainstream {
+
+// A parameter's synchronisation objects (CUDA: a download and an upload event).
+class TransferSlot {
+ public:
+  virtual ~TransferSlot() = default;
+};
+
+class Transfer {
+ public:
+  virtual ~Transfer() = default;
+
+  virtual std::unique_ptr<TransferSlot> make_slot() = 0;
+  virtual HostArena& arena() = 0;
+  virtual bool is_device() const = 0;  // copies cross PCIe and are asynchronous
+
+  // Queue a device->host copy that starts after the work queued so far on `producer_stream`.
+  virtual void download(TransferSlot& slot, void* host, const void* device, std::size_t bytes,
+                        std::uintptr_t producer_stream) = 0;
+  // Block the calling thread until the slot's last download has landed.
+  virtual void wait_download(TransferSlot& slot) = 0;
+  // Queue a host->device copy on the upload stream and mark the slot's upload point. The host
+  // buffer must stay untouched until order_after_upload'ed work has run.
+  virtual void upload(TransferSlot& slot, void* device, const void* host, std::size_t bytes) = 0;
+  // Make `stream` wait (on the device, not the host) for the slot's last upload.
+  virtual void order_after_upload(TransferSlot& slot, std::uintptr_t stream) = 0;
+  // Called once on each thread that will issue copies (CUDA: select the device).
+  virtual void bind_thread() {}
+};
+
+// CPU mode: "device" memory is host memory; copies are synchronous memcpys.
+class HostTransfer : public Transfer {
+ public:
+  HostTransfer();
+  std::unique_ptr<TransferSlot> make_slot() override;
+  HostArena& arena() override { return arena_; }
+  bool is_device() const override { return false; }
+  void download(TransferSlot&, void* host, const void* device, std::size_t bytes, std::uintptr_t) override;
+  void wait_download(TransferSlot&) override {}
+  void upload(TransferSlot&, void* device, const void* host, std::size_t bytes) override;
+  void order_after_upload(TransferSlot&, std::uintptr_t) override {}
+
+ private:
+  HostArena arena_;
+};
+
+}  // namespace trainstream

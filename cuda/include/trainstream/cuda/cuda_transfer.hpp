@@ -1,0 +1,43 @@
+// The CUDA transfer backend: pinned host slabs, a download stream and an upload stream given by
+// the caller (torch streams), and per-parameter events that order the copies.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+
+#include "trainstream/host_arena.hpp"
+#include "trainstream/transfer.hpp"
+
+namespace trainstream {
+
+// Page-locked slabs from cudaHostAlloc: pinned once, reused for the arena's whole life.
+class PinnedSlabs : public SlabSource {
+ public:
+  void* allocate(std::size_t bytes) override;
+  void release(void* slab, std::size_t bytes) noexcept override;
+  const char* kind() const override { return "pinned"; }
+};
+
+class CudaTransfer : public Transfer {
+ public:
+  // Streams are cudaStream_t handles owned by the caller, who keeps them alive.
+  CudaTransfer(int device, std::uintptr_t download_stream, std::uintptr_t upload_stream);
+
+  std::unique_ptr<TransferSlot> make_slot() override;
+  HostArena& arena() override { return arena_; }
+  bool is_device() const override { return true; }
+  void download(TransferSlot& slot, void* host, const void* device, std::size_t bytes,
+                std::uintptr_t producer_stream) override;
+  void wait_download(TransferSlot& slot) override;
+  void upload(TransferSlot& slot, void* device, const void* host, std::size_t bytes) override;
+  void order_after_upload(TransferSlot& slot, std::uintptr_t stream) override;
+  void bind_thread() override;
+
+ private:
+  int device_;
+  std::uintptr_t download_stream_;
+  std::uintptr_t upload_stream_;
+  HostArena arena_;
+};
+
+}  // namespace trainstream

@@ -1,0 +1,87 @@
+#include "trainstream/cuda/cuda_transfer.hpp"
+
+#include <cuda_runtime_api.h>
+
+#include <string>
+
+#include "trainstream/cuda/cuda_check.hpp"
+
+namespace trainstream {
+
+namespace {
+
+cudaStream_t as_stream(std::uintptr_t handle) { return reinterpret_cast<cudaStream_t>(handle); }
+
+struct CudaSlot : TransferSlot {
+  cudaEvent_t produced = nullptr;    // on the producer stream: the gradient is complete
+  cudaEvent_t downloaded = nullptr;  // on the download stream: the host copy has landed
+  cudaEvent_t uploaded = nullptr;    // on the upload stream: the new weights are on the device
+  bool has_upload = false;
+
+  CudaSlot() {
+    TS_CUDA_CHECK(cudaEventCreateWithFlags(&produced, cudaEventDisableTiming));
+    // The worker thread sleeps on this one rather than spinning a core away from AdamW.
+    TS_CUDA_CHECK(cudaEventCreateWithFlags(&downloaded, cudaEventDisableTiming | cudaEventBlockingSync));
+    TS_CUDA_CHECK(cudaEventCreateWithFlags(&uploaded, cudaEventDisableTiming));
+  }
+  ~CudaSlot() override {
+    cudaEventDestroy(produced);
+    cudaEventDestroy(downloaded);
+    cudaEventDestroy(uploaded);
+  }
+};
+
+}  // namespace
+
+void* PinnedSlabs::allocate(std::size_t bytes) {
+  void* p = nullptr;
+  const cudaError_t status = cudaHostAlloc(&p, bytes, cudaHostAllocDefault);
+  if (status != cudaSuccess) {
+    cudaGetLastError();
+    throw Error("cannot pin " + std::to_string(bytes >> 20) + " MiB of host memory (" +
+                cudaGetErrorString(status) + "); lower the memory TrainStream needs or free host RAM");
+  }
+  return p;
+}
+
+void PinnedSlabs::release(void* slab, std::size_t) noexcept { cudaFreeHost(slab); }
+
+CudaTransfer::CudaTransfer(int device, std::uintptr_t download_stream, std::uintptr_t upload_stream)
+    : device_(device),
+      download_stream_(download_stream),
+      upload_stream_(upload_stream),
+      arena_(std::make_unique<PinnedSlabs>()) {
+  TS_CUDA_CHECK(cudaSetDevice(device_));
+}
+
+std::unique_ptr<TransferSlot> CudaTransfer::make_slot() { return std::make_unique<CudaSlot>(); }
+
+void CudaTransfer::download(TransferSlot& s, void* host, const void* device, std::size_t bytes,
+                            std::uintptr_t producer_stream) {
+  auto& slot = static_cast<CudaSlot&>(s);
+  // The copy must not start before the kernel that produced the gradient has finished.
+  TS_CUDA_CHECK(cudaEventRecord(slot.produced, as_stream(producer_stream)));
+  TS_CUDA_CHECK(cudaStreamWaitEvent(as_stream(download_stream_), slot.produced, 0));
+  TS_CUDA_CHECK(cudaMemcpyAsync(host, device, bytes, cudaMemcpyDeviceToHost, as_stream(download_stream_)));
+  TS_CUDA_CHECK(cudaEventRecord(slot.downloaded, as_stream(download_stream_)));
+}
+
+void CudaTransfer::wait_download(TransferSlot& s) {
+  TS_CUDA_CHECK(cudaEventSynchronize(static_cast<CudaSlot&>(s).downloaded));
+}
+
+void CudaTransfer::upload(TransferSlot& s, void* device, const void* host, std::size_t bytes) {
+  auto& slot = static_cast<CudaSlot&>(s);
+  TS_CUDA_CHECK(cudaMemcpyAsync(device, host, bytes, cudaMemcpyHostToDevice, as_stream(upload_stream_)));
+  TS_CUDA_CHECK(cudaEventRecord(slot.uploaded, as_stream(upload_stream_)));
+  slot.has_upload = true;
+}
+
+void CudaTransfer::order_after_upload(TransferSlot& s, std::uintptr_t stream) {
+  auto& slot = static_cast<CudaSlot&>(s);
+  if (slot.has_upload) TS_CUDA_CHECK(cudaStreamWaitEvent(as_stream(stream), slot.uploaded, 0));
+}
+
+void CudaTransfer::bind_thread() { TS_CUDA_CHECK(cudaSetDevice(device_)); }
+
+}  // namespace trainstream

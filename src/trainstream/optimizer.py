@@ -1,0 +1,317 @@
+"""The optimizer that wrap() returns: torch.optim.AdamW's interface over host-side state.
+
+Gradients leave the device from per-parameter post-accumulate-grad hooks; the native pipeline
+(trainstream._C.OffloadPipeline) folds, clips and applies them on host threads and uploads the
+new weights; module forward pre-hooks make the compute stream wait for exactly the uploads each
+module reads. This class keeps the Python side of that bargain: when to update, with which
+hyperparameters, and torch's optimizer API on top.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from trainstream.errors import GRAD_SCALER_MESSAGE, UnsupportedSetupError, check_autocast
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+_CLIP_EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_
+
+
+@dataclass(eq=False)
+class _Slot:
+    """What the optimizer tracks for one trainable parameter."""
+
+    param: torch.nn.Parameter
+    host: object  # trainstream._C.HostParam
+    group: dict
+    version: int  # param._version when host master and device weights last agreed
+    step: int = 0
+    landed: bool = False  # a gradient arrived in the current accumulation window
+    updated: bool = False  # its update for this window has been queued
+    state: dict = field(default_factory=dict)
+
+
+class OffloadedAdamW(torch.optim.Optimizer):
+    """AdamW whose state lives in host memory and whose update runs on host threads.
+
+    Shares ``param_groups`` with the optimizer it was built from, so LR schedulers and code that
+    edits ``lr`` keep working. Use it like the original: ``loss.backward(); opt.step();
+    opt.zero_grad()``. Build it with :func:`trainstream.wrap`.
+    """
+
+    # Lets torch.amp.GradScaler hand itself to step(), where it is refused with a clear message.
+    _step_supports_amp_scaling = True
+
+    def __init__(self, source: torch.optim.Optimizer, model: torch.nn.Module, pipeline, *,
+                 device: torch.device, max_grad_norm: float | None, accumulation_steps: int,
+                 track_grad_norm: bool, streams: tuple | None) -> None:
+        super().__init__(source.param_groups, source.defaults)
+        self.param_groups = source.param_groups  # the very same list: edits show on both sides
+        self._pipeline = pipeline
+        self._device = device
+        self._streams = streams  # (download, upload) torch streams, kept alive here
+        self.max_grad_norm = max_grad_norm
+        self.accumulation_steps = accumulation_steps
+        self._track_norm = track_grad_norm or max_grad_norm is not None
+        self._micro = 0  # backward passes finished in this accumulation window
+        self._in_backward = False
+        self._arrival: list[_Slot] = []  # slots in gradient arrival order, this window
+        self._last_grad_norm: float | None = None
+        self._norm_slots: list[_Slot] = []  # the window whose norm last_grad_norm reports
+        self._norm_pending = False
+        self._slots: dict[torch.nn.Parameter, _Slot] = {}
+        self._hooks: list = []
+        self._register(model)
+
+    # ----------------------------------------------------------------------------- set-up
+    def _register(self, model: torch.nn.Module) -> None:
+        names = {p: n for n, p in model.named_parameters(remove_duplicate=True)}
+        accumulate = self.accumulation_steps > 1
+        for group in self.param_groups:
+            for p in group["params"]:
+                if not p.requires_grad or p in self._slots:
+                    continue
+                host = self._pipeline.add_param(p.numel(), _DTYPE_NAMES[p.dtype], accumulate)
+                self._pipeline.load_weights(host, p.data_ptr(), self._current_stream())
+                slot = _Slot(p, host, group, p._version)
+                slot.state = {
+                    "step": torch.tensor(0.0),
+                    "exp_avg": self._host_tensor(host, "exp_avg", p),
+                    "exp_avg_sq": self._host_tensor(host, "exp_avg_sq", p),
+                }
+                if p.dtype == torch.bfloat16:  # the fp32 master is what bf16 training resumes from
+                    slot.state["master_param"] = self._host_tensor(host, "master", p)
+                self.state[p] = slot.state
+                self._slots[p] = slot
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+        missing = [n for p, n in names.items() if p.requires_grad and p not in self._slots]
+        if missing:
+            shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+            raise UnsupportedSetupError(
+                f"{len(missing)} trainable parameter(s) of the model are not in the optimizer "
+                f"({shown}); TrainStream offloads only what the optimizer trains. Pass all "
+                f"trainable parameters to the optimizer or set requires_grad=False on the rest."
+            )
+        for module in model.modules():
+            own = [self._slots[p].host for p in module.parameters(recurse=False) if p in self._slots]
+            if own:
+                self._hooks.append(module.register_forward_pre_hook(self._gate_hook(own)))
+        device_type = self._device.type
+        self._hooks.append(model.register_forward_pre_hook(lambda *_: check_autocast(device_type)))
+        # Reads and writes of the weights outside forward (saving, loading) see settled values.
+        self._hooks.append(model.register_state_dict_pre_hook(lambda *_: self.synchronize()))
+        self._hooks.append(model.register_load_state_dict_pre_hook(lambda *_: self.synchronize()))
+
+    @staticmethod
+    def _host_tensor(host, name: str, like: torch.Tensor) -> torch.Tensor:
+        return torch.frombuffer(host.view(name), dtype=torch.float32).view(like.shape)
+
+    def _current_stream(self) -> int:
+        if self._device.type == "cuda":
+            return torch.cuda.current_stream(self._device).cuda_stream
+        return 0
+
+    def _gate_hook(self, hosts: list):
+        def gate(module, args):
+            self._pipeline.gate(hosts, self._current_stream())
+        return gate
+
+    # ------------------------------------------------------------------- during backward
+    def _on_grad(self, param: torch.nn.Parameter) -> None:
+        grad = param.grad
+        if grad is None:
+            return
+        slot = self._slots[param]
+        if grad.is_sparse:
+            raise UnsupportedSetupError("sparse gradients are not supported by TrainStream")
+        if not self._in_backward:
+            self._in_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
+        if self._micro >= self.accumulation_steps:
+            raise RuntimeError(
+                f"accumulation_steps={self.accumulation_steps} backward passes have run since the "
+                f"last optimizer.step(); call optimizer.step() before the next backward"
+            )
+        if param._version != slot.version:  # the weights were changed behind our back
+            self._pipeline.load_weights(slot.host, param.data_ptr(), self._current_stream())
+            slot.version = param._version
+        last = self._micro == self.accumulation_steps - 1
+        accumulate = self.accumulation_steps > 1
+        update_now = last and self.max_grad_norm is None
+        job = dict(
+            accumulate=accumulate,
+            overwrite=accumulate and not slot.landed,
+            from_accumulator=accumulate,
+            norm=last and self._track_norm,
+        )
+        if update_now:
+            job.update(self._update_args(slot, grad_scale=1.0))
+        if not grad.is_contiguous():
+            grad = grad.contiguous()
+        self._pipeline.land_gradient(slot.host, grad.data_ptr(), self._current_stream(), **job)
+        if grad.is_cuda:  # the download stream reads it: keep its memory from reuse until then
+            grad.record_stream(self._streams[0])
+        param.grad = None
+        if not slot.landed:
+            slot.landed = True
+            self._arrival.append(slot)
+        if update_now:
+            self._mark_updated(slot)
+        self._norm_pending = self._track_norm
+
+    def _on_backward_end(self) -> None:
+        self._in_backward = False
+        self._micro += 1
+
+    def _update_args(self, slot: _Slot, grad_scale: float) -> dict:
+        group = slot.group
+        lr = group["lr"]
+        beta1, beta2 = group["betas"]
+        return dict(
+            update=True,
+            lr=float(lr), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
+            weight_decay=float(group.get("weight_decay", 0.0)), step=slot.step + 1,
+            grad_scale=grad_scale, maximize=bool(group.get("maximize", False)),
+            device_weight=slot.param.data_ptr(),
+        )
+
+    def _mark_updated(self, slot: _Slot) -> None:
+        slot.updated = True
+        slot.step += 1
+        slot.state["step"].fill_(slot.step)
+
+    # -------------------------------------------------------------------------- step
+    @torch.no_grad()
+    def step(self, closure=None, grad_scaler=None):
+        """Apply this accumulation window's gradients. Returns the closure's loss, if any.
+
+        Without clipping, updates have already started during backward and this returns at
+        once; with max_grad_norm it waits for the gradient norms, then queues the updates in
+        forward order. Either way the next forward waits for exactly the weights it reads.
+        """
+        if grad_scaler is not None:
+            raise UnsupportedSetupError(GRAD_SCALER_MESSAGE)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        pending = [s for s in reversed(self._arrival) if not s.updated]  # forward order
+        if pending:
+            from_acc = self.accumulation_steps > 1
+            scale = 1.0
+            if self._track_norm and self._micro < self.accumulation_steps:
+                for s in pending:  # early step: the norms were not taken during backward
+                    self._pipeline.submit(s.host, from_accumulator=from_acc, norm=True)
+            self._norm_slots = list(self._arrival)
+            if self.max_grad_norm is not None:
+                scale = self._clip_coefficient()
+            for s in pending:
+                self._pipeline.submit(s.host, from_accumulator=from_acc,
+                                      **self._update_args(s, grad_scale=scale))
+                self._mark_updated(s)
+        if not pending and self._arrival:
+            self._norm_slots = list(self._arrival)
+        for s in self._arrival:
+            s.landed = s.updated = False
+        self._arrival = []
+        self._micro = 0
+        return loss
+
+    def _clip_coefficient(self) -> float:
+        total = self.last_grad_norm
+        return min(1.0, self.max_grad_norm / (total + _CLIP_EPS))
+
+    @property
+    def last_grad_norm(self) -> float | None:
+        """Global L2 norm of the last window's gradients (before clipping), for logging.
+
+        Measured when max_grad_norm is set or wrap(track_grad_norm=True); None otherwise.
+        """
+        if self._norm_pending:
+            self._pipeline.synchronize()
+            self._last_grad_norm = math.sqrt(sum(s.host.squared_norm for s in self._norm_slots))
+            self._norm_pending = False
+        return self._last_grad_norm
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Gradients never stay on the device; this only clears any a caller left behind."""
+        for p in self._slots:
+            p.grad = None
+
+    def synchronize(self) -> None:
+        """Wait for every queued host update and order the current stream after its upload."""
+        self._pipeline.synchronize()
+        self._pipeline.gate([s.host for s in self._slots.values()], self._current_stream())
+
+    # ------------------------------------------------------------------- checkpoints
+    def state_dict(self):
+        self.synchronize()
+        return super().state_dict()
+
+    def load_state_dict(self, state_dict) -> None:
+        """Load a torch.optim.AdamW (or our own) state dict; tensors are copied to host memory."""
+        self.synchronize()
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(f"state dict has {len(saved_groups)} param groups, optimizer has "
+                             f"{len(self.param_groups)}")
+        index = {}
+        for group, saved in zip(self.param_groups, saved_groups):
+            if len(group["params"]) != len(saved["params"]):
+                raise ValueError("state dict param group sizes do not match the optimizer's")
+            for p, i in zip(group["params"], saved["params"]):
+                index[i] = p
+            for key, value in saved.items():
+                if key != "params":
+                    group[key] = value
+        for i, state in state_dict["state"].items():
+            p = index[i]
+            slot = self._slots.get(p)
+            if slot is None:
+                continue
+            for key in ("exp_avg", "exp_avg_sq"):
+                slot.state[key].copy_(state[key].detach().reshape(p.shape))
+            slot.step = int(state["step"])
+            slot.state["step"].fill_(slot.step)
+            if "master_param" in state and "master_param" in slot.state:
+                slot.state["master_param"].copy_(state["master_param"].reshape(p.shape))
+                with torch.no_grad():
+                    p.copy_(slot.state["master_param"].to(p.device, p.dtype))
+                slot.version = p._version
+            elif p._version != slot.version:
+                self._pipeline.load_weights(slot.host, p.data_ptr(), self._current_stream())
+                slot.version = p._version
+
+    def add_param_group(self, param_group: dict) -> None:
+        if getattr(self, "_slots", None) is None:  # during torch's own __init__
+            return super().add_param_group(param_group)
+        raise UnsupportedSetupError(
+            "adding param groups after trainstream.wrap() is not supported; add them to the "
+            "optimizer before wrapping")
+
+    # ---------------------------------------------------------------------- figures
+    def report(self) -> dict:
+        """What TrainStream holds where, and how the host engine runs."""
+        numel = sum(s.param.numel() for s in self._slots.values())
+        return {
+            "trainable_params": numel,
+            "host_memory_kind": self._pipeline.host_memory_kind,
+            "host_bytes_reserved": self._pipeline.host_reserved_bytes,
+            "host_bytes_used": self._pipeline.host_used_bytes,
+            "host_bytes_per_param": self._pipeline.host_used_bytes / max(numel, 1),
+            "isa": self._pipeline.isa,
+            "threads": self._pipeline.threads,
+            "accumulation_steps": self.accumulation_steps,
+            "max_grad_norm": self.max_grad_norm,
+            "last_grad_norm": self.last_grad_norm,
+        }
+
+    def remove_hooks(self) -> None:
+        """Detach from the model (after a final synchronize); the optimizer is unusable after."""
+        self.synchronize()
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []

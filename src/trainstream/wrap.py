@@ -1,0 +1,107 @@
+"""trainstream.wrap(): the one line between a model that runs out of memory and one that trains."""
+
+from __future__ import annotations
+
+import torch
+
+from trainstream._native import _C, require_cuda_build
+from trainstream.errors import UnsupportedSetupError, check_optimizer, check_weight_dtype
+from trainstream.optimizer import OffloadedAdamW
+
+_GIB = 1 << 30
+
+
+def host_bytes_per_param(dtype: torch.dtype, accumulation_steps: int) -> int:
+    """Host bytes one trainable parameter costs: fp32 master, exp_avg, exp_avg_sq, a landing
+    buffer in the weight dtype (bf16 weights also go back up from it) and, with accumulation,
+    an fp32 accumulator."""
+    landing = 2 if dtype == torch.bfloat16 else 4
+    return 12 + landing + (4 if accumulation_steps > 1 else 0)
+
+
+def wrap(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    max_grad_norm: float | None = None,
+    accumulation_steps: int = 1,
+    track_grad_norm: bool = False,
+    threads: int = 0,
+    isa: str | None = None,
+) -> tuple[torch.nn.Module, OffloadedAdamW]:
+    """Move gradients, AdamW state and the AdamW update of `model` to host memory and threads.
+
+    Args:
+        model: the model, already on its GPU (or on the CPU, where the same machinery runs with
+            plain copies: useful for testing). Weights stay where they are.
+        optimizer: a torch.optim.AdamW (or Adam without weight decay) over the model's
+            trainable parameters. Its param_groups are shared with the returned optimizer.
+        max_grad_norm: clip the global gradient L2 norm to this (as clip_grad_norm_ would).
+            Do not call clip_grad_norm_ yourself: gradients are no longer on the device.
+        accumulation_steps: backward passes per optimizer step; micro-batch gradients are summed
+            in fp32 host memory, and the update runs after the last one (or at an earlier step()).
+        track_grad_norm: measure the global gradient norm even without clipping
+            (``optimizer.last_grad_norm``).
+        threads: host threads for AdamW (0: every CPU this process may use).
+        isa: force "avx512", "avx2" or "scalar" (default: $TRAINSTREAM_ISA, else the best).
+
+    Returns:
+        (model, optimizer): the same model with hooks attached, and the optimizer to step.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    check_optimizer(optimizer)
+    if isinstance(optimizer, OffloadedAdamW):
+        raise UnsupportedSetupError("this optimizer is already wrapped by trainstream")
+    if max_grad_norm is not None and not (max_grad_norm > 0):
+        raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm}")
+    if int(accumulation_steps) != accumulation_steps or accumulation_steps < 1:
+        raise ValueError(f"accumulation_steps must be an integer >= 1, got {accumulation_steps}")
+
+    trainable = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+    if not trainable:
+        raise ValueError("the optimizer has no trainable parameters (requires_grad=True)")
+    names = {p: n for n, p in model.named_parameters()}
+    devices = {p.device for p in trainable}
+    if len(devices) != 1:
+        raise UnsupportedSetupError(f"all trainable parameters must be on one device, found {sorted(map(str, devices))}")
+    device = devices.pop()
+    for p in trainable:
+        check_weight_dtype(names.get(p, "<not in model>"), p)
+        if not p.is_contiguous():
+            raise UnsupportedSetupError(f"parameter '{names.get(p)}' is not contiguous; call .contiguous() on it before wrapping")
+    _check_host_memory(trainable, accumulation_steps)
+
+    if device.type == "cuda":
+        require_cuda_build()
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        device = torch.device("cuda", index)
+        streams = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+        pipeline = _C.cuda_pipeline(index, streams[0].cuda_stream, streams[1].cuda_stream, threads, isa)
+    elif device.type == "cpu":
+        streams = None
+        pipeline = _C.host_pipeline(threads, isa)
+    else:
+        raise UnsupportedSetupError(f"parameters on {device} are not supported (CUDA or CPU only)")
+
+    wrapped = OffloadedAdamW(
+        optimizer, model, pipeline, device=device, max_grad_norm=max_grad_norm,
+        accumulation_steps=int(accumulation_steps), track_grad_norm=track_grad_norm, streams=streams,
+    )
+    for p in trainable:
+        p.grad = None
+    return model, wrapped
+
+
+def _check_host_memory(params: list[torch.Tensor], accumulation_steps: int) -> None:
+    needed = sum(p.numel() * host_bytes_per_param(p.dtype, accumulation_steps) for p in params)
+    available = _C.host_memory_available()
+    if available and needed > available:
+        count = sum(p.numel() for p in params)
+        raise MemoryError(
+            f"TrainStream needs {needed / _GIB:.1f} GiB of host RAM for {count / 1e9:.2f}B trainable "
+            f"parameters ({needed / count:.0f} bytes each: fp32 master weights, two AdamW moments, "
+            f"a gradient buffer{', an fp32 accumulator' if accumulation_steps > 1 else ''}), but only "
+            f"{available / _GIB:.1f} GiB is available. Free host memory, freeze some parameters, "
+            f"or use a machine with more RAM."
+        )

@@ -1,0 +1,285 @@
+"""wrap() on a CPU model: the same hooks, host buffers, worker thread and AdamW engine as on a
+GPU, with plain copies in place of CUDA streams. Parity is against torch.optim.AdamW driven the
+ordinary way (autograd accumulation, clip_grad_norm_, an LR scheduler)."""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+
+import trainstream
+from tiny_models import TinyLM, param_groups, warmup_cosine
+
+STEPS = 20
+
+
+def batches(steps: int, acc: int, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return [[torch.randint(0, 97, (4, 17), generator=g) for _ in range(acc)] for _ in range(steps)]
+
+
+def make(freeze_first_block: bool = True, dtype=torch.float32):
+    torch.manual_seed(0)
+    model = TinyLM().to(dtype)
+    if freeze_first_block:
+        for p in model.blocks[0].parameters():
+            p.requires_grad_(False)
+    opt = torch.optim.AdamW(param_groups(model), lr=3e-3, betas=(0.9, 0.95))
+    return model, opt
+
+
+def train(model, opt, data, *, clip=None, wrapped=False, sched=None):
+    acc = len(data[0])
+    norms = []
+    for micro_batches in data:
+        for tokens in micro_batches:
+            (model.loss(tokens) / acc).backward()
+        if clip is not None and not wrapped:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+        opt.step()
+        if sched is not None:
+            sched.step()
+        opt.zero_grad()
+        if wrapped and clip is not None:
+            norms.append(opt.last_grad_norm)
+    if wrapped:
+        opt.synchronize()
+    return norms
+
+
+def max_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
+    return max((x.float() - y.float()).abs().max().item() for x, y in zip(a.parameters(), b.parameters()))
+
+
+@pytest.mark.parametrize(
+    "acc,clip,tol",
+    [(1, None, 3e-7), (4, None, 3e-7), (1, 1.0, 1e-6), (4, 1.0, 1e-6)],
+    ids=["plain", "accumulate4", "clip", "accumulate4+clip"],
+)
+def test_parity_with_torch_adamw(acc, clip, tol):
+    data = batches(STEPS, acc)
+    ref, ref_opt = make()
+    train(ref, ref_opt, data, clip=clip, sched=warmup_cosine(ref_opt, 5, STEPS))
+
+    model, opt = make()
+    frozen_before = [p.detach().clone() for p in model.blocks[0].parameters()]
+    model, opt = trainstream.wrap(model, opt, max_grad_norm=clip, accumulation_steps=acc)
+    norms = train(model, opt, data, clip=clip, wrapped=True, sched=warmup_cosine(opt, 5, STEPS))
+
+    assert max_diff(ref, model) <= tol
+    assert model.head.weight is model.embed.weight  # still tied
+    for before, p in zip(frozen_before, model.blocks[0].parameters()):
+        assert torch.equal(before, p)  # frozen layer untouched
+    if clip is not None:
+        ref_norms = []
+        # the reference norms were recorded during its own run; recompute them identically
+        r2, r2_opt = make()
+        ref_norms = train(r2, r2_opt, data, clip=clip, sched=warmup_cosine(r2_opt, 5, STEPS))
+        assert norms == pytest.approx(ref_norms, rel=1e-5)
+        assert all(n > clip for n in norms[:3])  # clipping really was active
+
+
+def test_bf16_weights_keep_fp32_master():
+    """bf16 weights: the host master follows fp32 AdamW; the model holds master rounded to bf16."""
+    model, opt = make(dtype=torch.bfloat16)
+    ref_master = copy.deepcopy(model).float()
+    ref_params = dict(ref_master.named_parameters())
+    ref_opt = torch.optim.AdamW(param_groups(ref_master), lr=3e-3, betas=(0.9, 0.95))
+    names = {p: n for n, p in model.named_parameters()}
+    for p in model.parameters():
+        if p.requires_grad:  # registered before wrap(), so it sees each gradient first
+            p.register_post_accumulate_grad_hook(
+                lambda q: setattr(ref_params[names[q]], "grad", q.grad.float().clone()))
+    model, opt = trainstream.wrap(model, opt)
+    for (tokens,) in batches(5, 1):
+        model.loss(tokens).backward()
+        opt.step()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    opt.synchronize()
+    for n, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        master = opt.state[p]["master_param"]
+        assert (master - ref_params[n].detach()).abs().max().item() <= 3e-7
+        assert torch.equal(p.detach(), master.to(torch.bfloat16))
+
+
+def test_gradients_hooks_capture_and_release():
+    model, opt = make(freeze_first_block=False)
+    model, opt = trainstream.wrap(model, opt)
+    model.loss(batches(1, 1)[0][0]).backward()
+    assert all(p.grad is None for p in model.parameters())
+    opt.step()
+    report = opt.report()
+    assert report["trainable_params"] == sum(p.numel() for p in model.parameters())
+    assert report["host_memory_kind"] == "pageable"
+    assert report["host_bytes_per_param"] >= 16
+
+
+def test_state_dict_round_trip_and_resume_are_identical():
+    data = batches(10, 1)
+    model, opt = make()
+    model, opt = trainstream.wrap(model, opt)
+    train(model, opt, data[:5], wrapped=True)
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+    train(model, opt, data[5:], wrapped=True)
+
+    buf.seek(0)
+    ckpt = torch.load(buf)
+    resumed, ropt = make()
+    resumed, ropt = trainstream.wrap(resumed, ropt)
+    resumed.load_state_dict(ckpt["model"])
+    ropt.load_state_dict(ckpt["opt"])
+    train(resumed, ropt, data[5:], wrapped=True)
+    assert max_diff(model, resumed) == 0.0
+    sd = ropt.state_dict()
+    assert set(sd["state"][0]) >= {"step", "exp_avg", "exp_avg_sq"}
+    assert float(sd["state"][0]["step"]) == 10
+
+
+def test_torch_adamw_checkpoint_loads_and_continues_identically():
+    data = batches(8, 1)
+    ref, ref_opt = make()
+    train(ref, ref_opt, data[:4])
+    ckpt = {"model": copy.deepcopy(ref.state_dict()), "opt": copy.deepcopy(ref_opt.state_dict())}
+    train(ref, ref_opt, data[4:])
+
+    model, opt = make()
+    model, opt = trainstream.wrap(model, opt)
+    model.load_state_dict(ckpt["model"])
+    opt.load_state_dict(ckpt["opt"])
+    train(model, opt, data[4:], wrapped=True)
+    assert max_diff(ref, model) <= 3e-7
+    # and back: our state dict loads into a plain torch AdamW
+    back, back_opt = make()
+    back.load_state_dict(model.state_dict())
+    back_opt.load_state_dict(opt.state_dict())
+    assert torch.equal(back_opt.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
+
+
+def test_weights_changed_behind_our_back_are_picked_up():
+    data = batches(3, 1)
+    model, opt = make()
+    model, opt = trainstream.wrap(model, opt)
+    train(model, opt, data[:1], wrapped=True)
+    with torch.no_grad():
+        model.norm.weight.fill_(2.0)  # user code writes a weight
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(param_groups(ref), lr=3e-3, betas=(0.9, 0.95))
+    ref_opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # our state tensors are live views
+    train(model, opt, data[1:], wrapped=True)
+    train(ref, ref_opt, data[1:])
+    assert max_diff(ref, model) <= 3e-7
+
+
+def test_scheduler_and_lr_edits_are_seen():
+    model, opt = make()
+    base = opt
+    model, opt = trainstream.wrap(model, opt)
+    assert opt.param_groups is base.param_groups
+    opt.param_groups[0]["lr"] = 0.0
+    opt.param_groups[1]["lr"] = 0.0
+    before = [p.detach().clone() for p in model.parameters()]
+    for g in opt.param_groups:
+        g["weight_decay"] = 0.0
+    train(model, opt, batches(2, 1), wrapped=True)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_early_step_with_accumulation_matches_torch():
+    """step() after 2 of accumulation_steps=4 backward passes updates from what was summed."""
+    data = batches(3, 2)
+    ref, ref_opt = make()
+    train(ref, ref_opt, data)
+    model, opt = make()
+    model, opt = trainstream.wrap(model, opt, accumulation_steps=4)
+    train(model, opt, data, wrapped=True)
+    assert max_diff(ref, model) <= 3e-7
+
+
+def test_too_many_backward_passes_is_an_error():
+    model, opt = make()
+    model, opt = trainstream.wrap(model, opt, accumulation_steps=2)
+    tokens = batches(1, 1)[0][0]
+    model.loss(tokens).backward()
+    model.loss(tokens).backward()
+    with pytest.raises(RuntimeError, match="call optimizer.step"):
+        model.loss(tokens).backward()
+
+
+def test_grad_norm_tracking_without_clipping():
+    data = batches(1, 1)
+    ref, _ = make()
+    (ref.loss(data[0][0])).backward()
+    expected = float(torch.nn.utils.get_total_norm([p.grad for p in ref.parameters() if p.grad is not None]))
+    model, opt = make()
+    model, opt = trainstream.wrap(model, opt, track_grad_norm=True)
+    model.loss(data[0][0]).backward()
+    opt.step()
+    assert opt.last_grad_norm == pytest.approx(expected, rel=1e-5)
+
+
+# ------------------------------------------------------------------------------ refusals
+def test_refuses_other_optimizers():
+    model = TinyLM()
+    with pytest.raises(trainstream.UnsupportedSetupError, match="torch.optim.AdamW"):
+        trainstream.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def test_refuses_amsgrad_and_adam_l2():
+    model = TinyLM()
+    with pytest.raises(trainstream.UnsupportedSetupError, match="amsgrad"):
+        trainstream.wrap(model, torch.optim.AdamW(model.parameters(), amsgrad=True))
+    with pytest.raises(trainstream.UnsupportedSetupError, match="L2"):
+        trainstream.wrap(model, torch.optim.Adam(model.parameters(), weight_decay=0.1))
+
+
+def test_adam_without_weight_decay_is_adamw():
+    data = batches(5, 1)
+    torch.manual_seed(0)
+    ref = TinyLM()
+    model = copy.deepcopy(ref)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-3)
+    model, opt = trainstream.wrap(model, torch.optim.Adam(model.parameters(), lr=1e-3))
+    train(ref, ref_opt, data)
+    train(model, opt, data, wrapped=True)
+    assert max_diff(ref, model) <= 3e-7
+
+
+def test_refuses_fp16_weights_and_grad_scaler():
+    model = TinyLM().half()
+    with pytest.raises(trainstream.UnsupportedSetupError, match="loss scaling"):
+        trainstream.wrap(model, torch.optim.AdamW(model.parameters()))
+    model, opt = make()
+    model, opt = trainstream.wrap(model, opt)
+    with pytest.raises(trainstream.UnsupportedSetupError, match="GradScaler"):
+        opt.step(grad_scaler=object())
+
+
+def test_refuses_trainable_params_missing_from_optimizer():
+    model = TinyLM()
+    with pytest.raises(trainstream.UnsupportedSetupError, match="not in the optimizer"):
+        trainstream.wrap(model, torch.optim.AdamW(model.blocks.parameters()))
+
+
+def test_rejects_bad_arguments():
+    model = TinyLM()
+    with pytest.raises(ValueError, match="accumulation_steps"):
+        trainstream.wrap(model, torch.optim.AdamW(model.parameters()), accumulation_steps=0)
+    with pytest.raises(ValueError, match="max_grad_norm"):
+        trainstream.wrap(model, torch.optim.AdamW(model.parameters()), max_grad_norm=-1.0)
+    with pytest.raises(ValueError, match="unknown ISA"):
+        trainstream.wrap(model, torch.optim.AdamW(model.parameters()), isa="sse9")
+
+
+def test_cuda_model_without_cuda_build_or_gpu_is_refused_clearly(monkeypatch):
+    from trainstream import _native
+
+    monkeypatch.setattr(_native._C, "has_cuda", False)
+    with pytest.raises(_native.UnsupportedError, match="no CUDA support"):
+        _native.require_cuda_build()

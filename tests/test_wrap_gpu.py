@@ -1,0 +1,161 @@
+"""wrap() on a CUDA GPU: parity, where the bytes live, and a soak. Skipped without CUDA.
+
+Parity here is open-loop: a hook registered before wrap() hands every gradient our model
+produces to a reference torch.optim.AdamW on the same GPU, so both optimizers see the same
+gradient sequence and any difference is the update itself (under bf16 autocast, a closed loop
+would amplify last-bit differences through bf16 rounding of the weights).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import trainstream
+from tiny_models import TinyLM, param_groups, warmup_cosine
+
+pytestmark = pytest.mark.gpu
+
+STEPS = 20
+
+
+def tokens_for(step: int, batch: int = 8, seq: int = 17) -> torch.Tensor:
+    g = torch.Generator(device="cuda").manual_seed(100 + step)
+    return torch.randint(0, 97, (batch, seq), device="cuda", generator=g)
+
+
+def setup(dtype, clip, acc):
+    torch.manual_seed(0)
+    model = TinyLM(dim=64).cuda().to(dtype)
+    for p in model.blocks[0].parameters():
+        p.requires_grad_(False)
+    ref = copy.deepcopy(model).float()
+    ref_params = dict(ref.named_parameters())
+    names = {p: n for n, p in model.named_parameters()}
+
+    def hand_over(q):
+        r = ref_params[names[q]]
+        g = q.grad.float()
+        r.grad = g.clone() if r.grad is None else r.grad + g
+
+    for p in model.parameters():
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(hand_over)
+    opt = torch.optim.AdamW(param_groups(model), lr=3e-3, betas=(0.9, 0.95))
+    ref_opt = torch.optim.AdamW(param_groups(ref), lr=3e-3, betas=(0.9, 0.95), foreach=False)
+    model, opt = trainstream.wrap(model, opt, max_grad_norm=clip, accumulation_steps=acc)
+    return model, opt, ref, ref_opt
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32-weights", "bf16-weights"])
+@pytest.mark.parametrize("clip,acc", [(None, 1), (1.0, 4)], ids=["plain", "clip+acc4"])
+def test_parity_on_gpu(dtype, clip, acc):
+    model, opt, ref, ref_opt = setup(dtype, clip, acc)
+    sched, ref_sched = warmup_cosine(opt, 5, STEPS), warmup_cosine(ref_opt, 5, STEPS)
+    for step in range(STEPS):
+        for micro in range(acc):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model.loss(tokens_for(step * acc + micro)) / acc
+            loss.backward()
+        if clip is not None:
+            ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+        opt.step()
+        ref_opt.step()
+        if clip is not None:
+            assert opt.last_grad_norm == pytest.approx(float(ref_norm), rel=1e-4)
+        sched.step()
+        ref_sched.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    opt.synchronize()
+    tol = 3e-7 if clip is None else 1e-6
+    for (n, p), r in zip(model.named_parameters(), ref.parameters()):
+        if not p.requires_grad:
+            continue
+        master = opt.state[p]["master_param"] if dtype == torch.bfloat16 else p.detach().float().cpu()
+        assert (master - r.detach().cpu()).abs().max().item() <= tol, n
+        if dtype == torch.bfloat16:
+            assert torch.equal(p.detach().cpu(), master.to(torch.bfloat16)), n
+
+
+def weight_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def test_no_gradient_or_optimizer_state_in_vram():
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.manual_seed(0)
+    model = TinyLM(vocab=512, dim=256, layers=4, seq=64).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = trainstream.wrap(model, opt)
+    weights = torch.cuda.memory_allocated() - base
+    assert weights == pytest.approx(weight_bytes(model), rel=0.01)
+    tokens = torch.randint(0, 512, (4, 65), device="cuda")
+    for _ in range(3):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            model.loss(tokens).backward()
+        opt.step()
+        opt.zero_grad()
+    opt.synchronize()
+    torch.cuda.synchronize()
+    assert all(p.grad is None for p in model.parameters())
+    assert torch.cuda.memory_allocated() - base <= weights + (1 << 20)  # weights, nothing else
+    for state in opt.state.values():
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert state[key].device.type == "cpu" and state[key].is_pinned()
+    assert opt.report()["host_memory_kind"] == "pinned"
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def test_soak_200_steps_flat_memory():
+    torch.manual_seed(0)
+    model = TinyLM(vocab=512, dim=256, layers=4, seq=64).cuda()
+    model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-4), max_grad_norm=1.0)
+    tokens = torch.randint(0, 512, (4, 65), device="cuda")
+    vram, rss, peaks = [], [], []
+    for step in range(200):
+        torch.cuda.reset_peak_memory_stats()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model.loss(tokens)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if step % 20 == 19:
+            opt.synchronize()
+            torch.cuda.synchronize()
+            vram.append(torch.cuda.memory_allocated())
+            peaks.append(torch.cuda.max_memory_allocated())
+            rss.append(rss_bytes())
+    assert len(set(vram)) == 1, vram
+    assert max(peaks) - min(peaks) <= (1 << 20), peaks
+    assert rss[-1] - rss[1] <= 32 << 20, rss  # host memory flat after warm-up
+    assert torch.isfinite(loss).item()
+
+
+def test_fp16_autocast_is_refused():
+    model = TinyLM().cuda()
+    model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters()))
+    with pytest.raises(trainstream.UnsupportedSetupError, match="bfloat16"):
+        with torch.autocast("cuda", dtype=torch.float16):
+            model.loss(tokens_for(0))
+
+
+def test_grad_scaler_is_refused():
+    model = TinyLM().cuda()
+    model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters()))
+    scaler = torch.amp.GradScaler("cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = model.loss(tokens_for(0))
+    scaler.scale(loss).backward()
+    with pytest.raises(trainstream.UnsupportedSetupError, match="GradScaler"):
+        scaler.step(opt)
