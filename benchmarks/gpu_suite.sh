@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Build, test and benchmark on a CUDA machine in one go; logs and JSON land in $1 (default ./gpu-results).
-#   bash benchmarks/gpu_suite.sh [OUTDIR] [STAGES]   STAGES: comma list of build,tests,adamw,step,sanitize
+#   bash benchmarks/gpu_suite.sh [OUTDIR] [STAGES]
+# STAGES: comma list of build,tests,verify,adamw,step,large,sanitize (default: build,tests,verify,adamw,step)
 set -uo pipefail
 out="${1:-gpu-results}"
-stages=",${2:-build,tests,adamw,step},"
+stages=",${2:-build,tests,verify,adamw,step},"
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -22,16 +23,26 @@ fi
 if has tests; then
   (cd /tmp && python3 -m pytest "$repo/tests" -q -ra 2>&1) | tee "$out/pytest.log" | tail -25
 fi
+if has verify; then
+  python3 "$repo/examples/verify_ram_offload.py" 2>&1 | tee "$out/verify.log" | tail -22
+fi
 if has adamw; then
   python3 "$repo/benchmarks/adamw_vs_torch.py" --params 268435456 --json 2>&1 | tee "$out/adamw_vs_torch.log" | tail -15
   [ -x /tmp/ts-build/benchmarks/bench_host_adamw ] && /tmp/ts-build/benchmarks/bench_host_adamw --params 268435456 --threads 4,8,16 \
     --json "$out/bench_host_adamw.json" 2>&1 | tail -20 | tee "$out/bench_host_adamw.log"
 fi
 if has step; then
-  for acc in 1 8; do
-    python3 "$repo/benchmarks/train_step.py" --acc "$acc" --modes gpu-adamw,trainstream,torchao \
-      --json "$out/train_step_acc$acc.json" --plot "$out/train_step_acc$acc.png" 2>&1 | tail -8
+  for acc in 1 8 32; do
+    steps=$(( acc == 32 ? 3 : 5 ))
+    python3 "$repo/benchmarks/train_step.py" --acc "$acc" --steps "$steps" --modes gpu-adamw,trainstream,torchao \
+      --json "$out/step_acc$acc.json" 2>&1 | tail -7
   done
+fi
+if has large; then  # the largest models under a 24 GB VRAM cap, batch 1x1024
+  python3 "$repo/benchmarks/train_step.py" --hidden 4096 --heads 32 --intermediate 11008 --layers 20 --batch 1 \
+    --no-autocast --vram-cap-gb 24 --steps 2 --warmup 1 --modes trainstream,gpu-adamw --json "$out/large_fp32.json" 2>&1 | tail -6
+  python3 "$repo/benchmarks/train_step.py" --hidden 4096 --heads 32 --intermediate 11008 --layers 29 --batch 1 \
+    --weights bf16 --vram-cap-gb 24 --steps 2 --warmup 1 --modes trainstream,gpu-adamw --json "$out/large_bf16.json" 2>&1 | tail -6
 fi
 if has sanitize; then
   for tool in memcheck racecheck; do

@@ -54,12 +54,14 @@ def run_mode(mode: str, args) -> dict:
         model = build_model(args).to(dtype)
     params = sum(p.numel() for p in model.parameters())
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
     sync = lambda: None  # noqa: E731
     if mode == "gpu-adamw":
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=True)
     elif mode == "trainstream":
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
+        t0 = time.perf_counter()
         model, opt = trainstream.wrap(model, opt, accumulation_steps=args.acc, max_grad_norm=args.clip)
+        setup_s = time.perf_counter() - t0
         sync = opt.synchronize
     elif mode == "torchao":
         from torchao.optim import CPUOffloadOptimizer  # noqa: F401 - skipped when missing
@@ -74,7 +76,7 @@ def run_mode(mode: str, args) -> dict:
 
     def one_step():
         for _ in range(acc):
-            with torch.autocast("cuda", dtype=torch.bfloat16):
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=args.autocast):
                 loss = loss_of(model, tokens)
             (loss / acc).backward()
         if args.clip is not None and mode != "trainstream":
@@ -100,6 +102,7 @@ def run_mode(mode: str, args) -> dict:
         "tokens_per_s": args.batch * args.seq * acc / seconds,
     }
     if mode == "trainstream":
+        result["setup_s"] = setup_s
         result["report"] = opt.report()
         opt.remove_hooks()
     del model, opt, tokens
@@ -121,6 +124,8 @@ def main(argv=None) -> int:
     ap.add_argument("--clip", type=float, default=None)
     ap.add_argument("--weights", choices=["fp32", "bf16"], default="fp32",
                     help="fp32 weights under bf16 autocast, or bf16 weights")
+    ap.add_argument("--autocast", action=argparse.BooleanOptionalAction, default=True,
+                    help="bf16 autocast (default on; with fp32 weights it caches a bf16 copy of every weight)")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--vram-cap-gb", type=float, default=None,
@@ -148,7 +153,7 @@ def main(argv=None) -> int:
         print(json.dumps({k: v for k, v in results[-1].items() if k != "report"}), flush=True)
     base = next((r["step_s"] for r in results if r.get("mode") == "gpu-adamw" and "step_s" in r), None)
     print(f"\n{torch.cuda.get_device_name()}  hidden={args.hidden} layers={args.layers} batch={args.batch}x{args.seq} "
-          f"acc={args.acc} weights={args.weights}")
+          f"acc={args.acc} weights={args.weights} autocast={args.autocast} vram_cap={args.vram_cap_gb}")
     print(f"{'mode':<14}{'params':>10}{'step s':>9}{'vs gpu':>8}{'peak VRAM GB':>14}{'loss':>8}")
     for r in results:
         if "step_s" not in r:

@@ -1,8 +1,9 @@
 """trainstream.HostAdamW against torch.optim.AdamW (for-loop form), on CPU.
 
 Every ISA the CPU supports is forced in turn. Exponential moving averages are expected to match
-torch to the bit (asserted as tightly close); weights to within max(3e-7, one ulp): our sqrt is
-correctly rounded and torch's CPU sqrt is not always, so a weight can land one ulp away.
+torch to the bit (asserted as tightly close); weights to within max(3e-7, one ulp), and at least
+98.5% of them to the bit: our sqrt is correctly rounded and torch's CPU sqrt is not always
+(about 1 in 5 results differ on an AVX2 build), so a weight can land one ulp away.
 """
 
 from __future__ import annotations
@@ -94,6 +95,12 @@ def assert_matches_torch(ours, ref) -> None:
         f"param[{worst}] = {param[worst].item()!r} vs torch {ref_param[worst].item()!r} "
         f"(max abs diff {(param - ref_param).abs().max().item():.3g})"
     )
+    # The tolerance alone would let a slightly wrong coefficient through (updates are ~1e-3):
+    # most weights must match to the bit. Today 99.6% do; a learning rate off by a relative
+    # 1e-7 leaves 97.9%.
+    if param.numel() >= 4096:
+        identical = (param.view(torch.int32) == ref_param.view(torch.int32)).float().mean().item()
+        assert identical >= 0.985, f"only {identical:.2%} of the weights are bit-identical to torch's"
 
 
 # ------------------------------------------------------------------------------------------
@@ -198,7 +205,7 @@ def test_trainstream_isa_variable_forces_each_isa(supported_isas, tmp_path):
     # process. The child checks parity with torch itself and reports back as JSON.
     child = textwrap.dedent(
         """
-        import json, sys, torch, trainstream
+        import json, math, torch, trainstream
         from trainstream import _C
         n, steps = 4099, 5
         gen = torch.Generator().manual_seed(3)
@@ -214,13 +221,15 @@ def test_trainstream_isa_variable_forces_each_isa(supported_isas, tmp_path):
             ref.grad = g
             opt.step()
             engine.step(p, g, m, v, lr=lr, step=k)
+        want = ref.detach()
+        ulp = torch.nextafter(want.abs(), torch.tensor(math.inf)) - want.abs()
         best = _C.cpu_features()["best_isa"]
         print(json.dumps({
             "engine_isa": engine.isa,
             "select_isa": _C.select_isa(),
             "explicit_wins": trainstream.HostAdamW(isa=best).isa == best,
-            "max_abs_diff": (p - ref.detach()).abs().max().item(),
-            "exp_avg_equal": torch.equal(m, opt.state[ref]["exp_avg"]),
+            "param_excess": ((p - want).abs() - ulp.clamp(min=3e-7)).max().item(),
+            "exp_avg_diff": (m - opt.state[ref]["exp_avg"]).abs().max().item(),
         }))
         """
     )
@@ -233,8 +242,8 @@ def test_trainstream_isa_variable_forces_each_isa(supported_isas, tmp_path):
         assert report["engine_isa"] == isa
         assert report["select_isa"] == isa
         assert report["explicit_wins"]
-        assert report["max_abs_diff"] <= 3e-7
-        assert report["exp_avg_equal"]
+        assert report["param_excess"] <= 0  # within max(3e-7, 1 ulp), as assert_matches_torch
+        assert report["exp_avg_diff"] <= 1e-7
 
 
 def test_trainstream_isa_variable_rejects_unknown_names(monkeypatch):

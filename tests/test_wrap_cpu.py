@@ -283,3 +283,16 @@ def test_cuda_model_without_cuda_build_or_gpu_is_refused_clearly(monkeypatch):
     monkeypatch.setattr(_native._C, "has_cuda", False)
     with pytest.raises(_native.UnsupportedError, match="no CUDA support"):
         _native.require_cuda_build()
+
+
+def test_verify_example_says_no_gpu_and_fails_without_cuda():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the example runs for real in the GPU suite")
+    script = Path(__file__).resolve().parents[1] / "examples" / "verify_ram_offload.py"
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert "FAIL" in done.stderr and "CUDA" in done.stderr

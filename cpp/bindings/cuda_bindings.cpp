@@ -21,13 +21,13 @@ void bind_cuda(py::module_& m) {
 
   m.def("cuda_pipeline",
         [](int device, std::uintptr_t download_stream, std::uintptr_t upload_stream, std::size_t threads,
-           const std::optional<std::string>& isa) {
+           const std::optional<std::string>& isa, std::size_t max_download_bytes) {
           return std::make_unique<OffloadPipeline>(
               std::make_unique<CudaTransfer>(device, download_stream, upload_stream), threads,
-              parse_optional_isa(isa));
+              parse_optional_isa(isa), max_download_bytes);
         },
         py::arg("device"), py::arg("download_stream"), py::arg("upload_stream"), py::arg("threads") = 0,
-        py::arg("isa") = py::none(),
+        py::arg("isa") = py::none(), py::arg("max_download_bytes") = std::size_t(512) << 20,
         "An offload pipeline over pinned host memory, copying on the two given CUDA streams.");
 }
 

@@ -65,10 +65,12 @@ void bind_pipeline(py::module_& m) {
       .def_property_readonly("host_reserved_bytes", [](OffloadPipeline& o) { return o.transfer().arena().reserved_bytes(); })
       .def_property_readonly("host_used_bytes", [](OffloadPipeline& o) { return o.transfer().arena().used_bytes(); })
       .def_property_readonly("pending", &OffloadPipeline::pending)
-      .def("add_param", [](OffloadPipeline& o, std::size_t numel, const std::string& dtype, bool accumulate) {
+      .def_property_readonly("downloading_bytes", &OffloadPipeline::downloading_bytes)
+      .def("add_param", [](OffloadPipeline& o, std::size_t numel, const std::string& dtype, bool accumulate,
+                           std::int64_t priority) {
              py::gil_scoped_release release;
-             return o.add_param(numel, parse_dtype(dtype), accumulate);
-           }, py::arg("numel"), py::arg("weight_dtype"), py::arg("accumulate"))
+             return o.add_param(numel, parse_dtype(dtype), accumulate, priority);
+           }, py::arg("numel"), py::arg("weight_dtype"), py::arg("accumulate"), py::arg("priority") = 0)
       .def("load_weights", [](OffloadPipeline& o, HostParam& p, std::uintptr_t weight, std::uintptr_t stream) {
              py::gil_scoped_release release;
              o.load_weights(p, weight, stream);
@@ -114,9 +116,10 @@ void bind_pipeline(py::module_& m) {
              o.synchronize();
            });
 
-  m.def("host_pipeline", [](std::size_t threads, const std::optional<std::string>& isa) {
-    return std::make_unique<OffloadPipeline>(std::make_unique<HostTransfer>(), threads, parse_optional_isa(isa));
-  }, py::arg("threads") = 0, py::arg("isa") = py::none(),
+  m.def("host_pipeline", [](std::size_t threads, const std::optional<std::string>& isa, std::size_t max_download_bytes) {
+    return std::make_unique<OffloadPipeline>(std::make_unique<HostTransfer>(), threads, parse_optional_isa(isa),
+                                             max_download_bytes);
+  }, py::arg("threads") = 0, py::arg("isa") = py::none(), py::arg("max_download_bytes") = std::size_t(512) << 20,
      "An offload pipeline whose 'device' is host memory (CPU mode).");
   m.def("host_memory_available", &host_memory_available, "MemAvailable in bytes (0 if unknown).");
 }

@@ -12,6 +12,13 @@ namespace {
 
 cudaStream_t as_stream(std::uintptr_t handle) { return reinterpret_cast<cudaStream_t>(handle); }
 
+// cudaLaunchHostFunc target: runs one landed-callback, then frees it.
+void CUDART_CB run_landed(void* data) {
+  auto* fn = static_cast<std::function<void()>*>(data);
+  (*fn)();
+  delete fn;
+}
+
 struct CudaSlot : TransferSlot {
   cudaEvent_t produced = nullptr;    // on the producer stream: the gradient is complete
   cudaEvent_t downloaded = nullptr;  // on the download stream: the host copy has landed
@@ -57,13 +64,21 @@ CudaTransfer::CudaTransfer(int device, std::uintptr_t download_stream, std::uint
 std::unique_ptr<TransferSlot> CudaTransfer::make_slot() { return std::make_unique<CudaSlot>(); }
 
 void CudaTransfer::download(TransferSlot& s, void* host, const void* device, std::size_t bytes,
-                            std::uintptr_t producer_stream) {
+                            std::uintptr_t producer_stream, std::function<void()> landed) {
   auto& slot = static_cast<CudaSlot&>(s);
   // The copy must not start before the kernel that produced the gradient has finished.
   TS_CUDA_CHECK(cudaEventRecord(slot.produced, as_stream(producer_stream)));
   TS_CUDA_CHECK(cudaStreamWaitEvent(as_stream(download_stream_), slot.produced, 0));
   TS_CUDA_CHECK(cudaMemcpyAsync(host, device, bytes, cudaMemcpyDeviceToHost, as_stream(download_stream_)));
   TS_CUDA_CHECK(cudaEventRecord(slot.downloaded, as_stream(download_stream_)));
+  if (landed) {
+    auto* fn = new std::function<void()>(std::move(landed));
+    const cudaError_t status = cudaLaunchHostFunc(as_stream(download_stream_), run_landed, fn);
+    if (status != cudaSuccess) {
+      delete fn;
+      TS_CUDA_CHECK(status);
+    }
+  }
 }
 
 void CudaTransfer::wait_download(TransferSlot& s) {

@@ -74,7 +74,9 @@ class OffloadedAdamW(torch.optim.Optimizer):
             for p in group["params"]:
                 if not p.requires_grad or p in self._slots:
                     continue
-                host = self._pipeline.add_param(p.numel(), _DTYPE_NAMES[p.dtype], accumulate)
+                # registration order stands in for forward order (embeddings, layers, head)
+                host = self._pipeline.add_param(p.numel(), _DTYPE_NAMES[p.dtype], accumulate,
+                                                len(self._slots))
                 self._pipeline.load_weights(host, p.data_ptr(), self._current_stream())
                 slot = _Slot(p, host, group, p._version)
                 slot.state = {

@@ -28,6 +28,7 @@ def wrap(
     track_grad_norm: bool = False,
     threads: int = 0,
     isa: str | None = None,
+    max_grad_bytes_in_flight: int = 512 << 20,
 ) -> tuple[torch.nn.Module, OffloadedAdamW]:
     """Move gradients, AdamW state and the AdamW update of `model` to host memory and threads.
 
@@ -44,6 +45,8 @@ def wrap(
             (``optimizer.last_grad_norm``).
         threads: host threads for AdamW (0: every CPU this process may use).
         isa: force "avx512", "avx2" or "scalar" (default: $TRAINSTREAM_ISA, else the best).
+        max_grad_bytes_in_flight: gradient bytes that may wait in device memory for their copy to
+            the host; backward pauses at a hook beyond that, which caps the VRAM gradients take.
 
     Returns:
         (model, optimizer): the same model with hooks attached, and the optimizer to step.
@@ -77,10 +80,11 @@ def wrap(
         index = device.index if device.index is not None else torch.cuda.current_device()
         device = torch.device("cuda", index)
         streams = (torch.cuda.Stream(device), torch.cuda.Stream(device))
-        pipeline = _C.cuda_pipeline(index, streams[0].cuda_stream, streams[1].cuda_stream, threads, isa)
+        pipeline = _C.cuda_pipeline(index, streams[0].cuda_stream, streams[1].cuda_stream, threads, isa,
+                                    max_grad_bytes_in_flight)
     elif device.type == "cpu":
         streams = None
-        pipeline = _C.host_pipeline(threads, isa)
+        pipeline = _C.host_pipeline(threads, isa, max_grad_bytes_in_flight)
     else:
         raise UnsupportedSetupError(f"parameters on {device} are not supported (CUDA or CPU only)")
 

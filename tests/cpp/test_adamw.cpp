@@ -54,8 +54,8 @@ float from_bits(std::uint32_t b) {
   return f;
 }
 
-// One parameter's buffers, owned. Gradients span several orders of magnitude (and include
-// exact zeros) so that both lerp branches, tiny and large second moments all occur.
+// One parameter's buffers, owned, filled with deterministic non-zero data. Gradients span six
+// orders of magnitude and include exact zeros, so that tiny, huge and unchanged moments occur.
 struct State {
   std::vector<float> param, exp_avg, exp_avg_sq, grad32;
   std::vector<std::uint16_t> grad16, out16;

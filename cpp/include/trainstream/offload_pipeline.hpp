@@ -32,14 +32,20 @@ class HostParam {
   void* grad = nullptr;
   float* accumulator = nullptr;
   double squared_norm = 0.0;  // of the last gradient measured with GradJob::norm
+  // Position in the forward pass (lower runs first): updates are done in this order when
+  // several are ready, so the next forward can start while later layers still update.
+  std::int64_t priority = 0;
 
   std::size_t weight_bytes() const { return numel * dtype_size(weight_dtype); }
 
  private:
   friend class OffloadPipeline;
   std::unique_ptr<TransferSlot> slot_;
-  std::uint64_t queued_ = 0;  // jobs enqueued / finished, under the pipeline's mutex
+  // Under the pipeline's mutex: jobs enqueued / finished, downloads issued / landed.
+  std::uint64_t queued_ = 0;
   std::uint64_t done_ = 0;
+  std::uint64_t downloads_ = 0;
+  std::uint64_t landed_ = 0;
 };
 
 // What the worker does for one parameter, in this order.
@@ -55,20 +61,26 @@ struct GradJob {
 
 class OffloadPipeline {
  public:
-  OffloadPipeline(std::unique_ptr<Transfer> transfer, std::size_t threads, std::optional<Isa> isa);
+  // `max_download_bytes`: gradient bytes allowed between hand-over and landing in host memory;
+  // a hook that would exceed it waits, so gradients never pile up in device memory.
+  OffloadPipeline(std::unique_ptr<Transfer> transfer, std::size_t threads, std::optional<Isa> isa,
+                  std::size_t max_download_bytes = std::size_t(512) << 20);
   ~OffloadPipeline();
   OffloadPipeline(const OffloadPipeline&) = delete;
   OffloadPipeline& operator=(const OffloadPipeline&) = delete;
 
   // Allocates a parameter's host buffers from the arena (zeroed moments).
-  std::shared_ptr<HostParam> add_param(std::size_t numel, DType weight_dtype, bool accumulate);
+  std::shared_ptr<HostParam> add_param(std::size_t numel, DType weight_dtype, bool accumulate,
+                                       std::int64_t priority = 0);
 
   // Copies the device weights into the fp32 master (synchronously). For bf16 weights the landing
   // buffer is used as the staging area.
   void load_weights(HostParam& p, std::uintptr_t device_weight, std::uintptr_t stream);
 
   // Queues the download of a freshly produced gradient (ordered after `producer_stream`) and the
-  // job that consumes it. Blocks only while an earlier job still reads the landing buffer.
+  // job that consumes it. Blocks while an earlier job still reads the landing buffer, or while
+  // more than max_download_bytes of gradients are still on their way to the host. The first
+  // micro-batch of fp32 gradients lands straight in the accumulator.
   void land_gradient(const std::shared_ptr<HostParam>& p, std::uintptr_t device_grad,
                      std::uintptr_t producer_stream, const GradJob& job);
 
@@ -85,27 +97,35 @@ class OffloadPipeline {
   HostAdamW& engine() { return engine_; }
   Transfer& transfer() { return *transfer_; }
   std::size_t pending() const;
+  std::size_t downloading_bytes() const;
 
  private:
   struct Task {
     std::shared_ptr<HostParam> param;
     GradJob job;
-    bool wait_download;
+    std::uint64_t seq;       // this parameter's job number (1-based)
+    std::uint64_t download;  // the download it consumes (0: none)
+    std::uint64_t order;     // enqueue order, across parameters
   };
-  void enqueue(const std::shared_ptr<HostParam>& p, const GradJob& job, bool wait_download);
+  void enqueue(const std::shared_ptr<HostParam>& p, const GradJob& job, std::uint64_t download);
   void wait_idle(HostParam& p, std::unique_lock<std::mutex>& lock);
+  bool pick_locked(Task& out);
   void run(Task& task);
   void worker_loop();
   void rethrow_locked();
 
   std::unique_ptr<Transfer> transfer_;
   HostAdamW engine_;
+  std::size_t max_download_bytes_;
 
   mutable std::mutex mutex_;
   std::condition_variable work_ready_;
   std::condition_variable job_done_;
+  std::condition_variable landed_;
   std::deque<Task> queue_;
+  std::uint64_t order_ = 0;
   std::size_t in_flight_ = 0;
+  std::size_t downloading_bytes_ = 0;
   bool stopping_ = false;
   std::exception_ptr error_;
   std::thread worker_;

@@ -5,6 +5,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 
 #include "trainstream/host_arena.hpp"
@@ -25,9 +26,10 @@ class Transfer {
   virtual HostArena& arena() = 0;
   virtual bool is_device() const = 0;  // copies cross PCIe and are asynchronous
 
-  // Queue a device->host copy that starts after the work queued so far on `producer_stream`.
+  // Queue a device->host copy that starts after the work queued so far on `producer_stream`;
+  // `landed` runs (on a runtime thread, so it must not call CUDA) once the bytes are in host memory.
   virtual void download(TransferSlot& slot, void* host, const void* device, std::size_t bytes,
-                        std::uintptr_t producer_stream) = 0;
+                        std::uintptr_t producer_stream, std::function<void()> landed) = 0;
   // Block the calling thread until the slot's last download has landed.
   virtual void wait_download(TransferSlot& slot) = 0;
   // Queue a host->device copy on the upload stream and mark the slot's upload point. The host
@@ -46,7 +48,8 @@ class HostTransfer : public Transfer {
   std::unique_ptr<TransferSlot> make_slot() override;
   HostArena& arena() override { return arena_; }
   bool is_device() const override { return false; }
-  void download(TransferSlot&, void* host, const void* device, std::size_t bytes, std::uintptr_t) override;
+  void download(TransferSlot&, void* host, const void* device, std::size_t bytes, std::uintptr_t,
+                std::function<void()> landed) override;
   void wait_download(TransferSlot&) override {}
   void upload(TransferSlot&, void* device, const void* host, std::size_t bytes) override;
   void order_after_upload(TransferSlot&, std::uintptr_t) override {}

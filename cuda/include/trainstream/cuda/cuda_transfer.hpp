@@ -27,7 +27,7 @@ class CudaTransfer : public Transfer {
   HostArena& arena() override { return arena_; }
   bool is_device() const override { return true; }
   void download(TransferSlot& slot, void* host, const void* device, std::size_t bytes,
-                std::uintptr_t producer_stream) override;
+                std::uintptr_t producer_stream, std::function<void()> landed) override;
   void wait_download(TransferSlot& slot) override;
   void upload(TransferSlot& slot, void* device, const void* host, std::size_t bytes) override;
   void order_after_upload(TransferSlot& slot, std::uintptr_t stream) override;
