@@ -48,6 +48,6 @@ if has sanitize; then
   for tool in memcheck racecheck; do
     (cd /tmp && timeout 300 compute-sanitizer --tool "$tool" --target-processes all python3 -m pytest \
       "$repo/tests/test_wrap_gpu.py" -q -x -k "no_gradient or parity_on_gpu and plain and fp32" 2>&1) \
-      | tail -8 | tee "$out/sanitizer_$tool.log"
+      | tee "$out/sanitizer_$tool.log" | grep -E "Error|error|SUMMARY|passed|failed|assert" | head -12
   done
 fi
