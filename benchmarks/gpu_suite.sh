@@ -39,7 +39,7 @@ if has step; then
   done
 fi
 if has large; then  # the largest models under a 24 GB VRAM cap, batch 1x1024
-  python3 "$repo/benchmarks/train_step.py" --hidden 4096 --heads 32 --intermediate 11008 --layers 20 --batch 1 \
+  python3 "$repo/benchmarks/train_step.py" --hidden 4096 --heads 32 --intermediate 11008 --layers 16 --batch 1 \
     --no-autocast --vram-cap-gb 24 --steps 2 --warmup 1 --modes trainstream,gpu-adamw --json "$out/large_fp32.json" 2>&1 | tail -6
   python3 "$repo/benchmarks/train_step.py" --hidden 4096 --heads 32 --intermediate 11008 --layers 29 --batch 1 \
     --weights bf16 --vram-cap-gb 24 --steps 2 --warmup 1 --modes trainstream,gpu-adamw --json "$out/large_bf16.json" 2>&1 | tail -6

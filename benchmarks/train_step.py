@@ -50,8 +50,13 @@ def loss_of(model, tokens):
 def run_mode(mode: str, args) -> dict:
     torch.manual_seed(0)
     dtype = torch.bfloat16 if args.weights == "bf16" else torch.float32
-    with torch.device("cuda"):
-        model = build_model(args).to(dtype)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # build in the target dtype: no fp32 copy of a bf16 model
+    try:
+        with torch.device("cuda"):
+            model = build_model(args)
+    finally:
+        torch.set_default_dtype(default)
     params = sum(p.numel() for p in model.parameters())
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     sync = lambda: None  # noqa: E731

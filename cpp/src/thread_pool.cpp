@@ -17,17 +17,25 @@ std::size_t available_cpus() {
 ThreadPool::ThreadPool(std::size_t threads) {
   if (threads == 0) threads = available_cpus();
   workers_.reserve(threads - 1);
-  for (std::size_t i = 1; i < threads; ++i) workers_.emplace_back([this] { worker_loop(); });
+  try {
+    for (std::size_t i = 1; i < threads; ++i) workers_.emplace_back([this] { worker_loop(); });
+  } catch (...) {  // out of threads: stop the ones already running before giving up
+    stop();
+    throw;
+  }
 }
 
-ThreadPool::~ThreadPool() {
+void ThreadPool::stop() noexcept {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     stopping_ = true;
   }
   wake_.notify_all();
   for (auto& t : workers_) t.join();
+  workers_.clear();
 }
+
+ThreadPool::~ThreadPool() { stop(); }
 
 void ThreadPool::run_tasks() {
   for (;;) {

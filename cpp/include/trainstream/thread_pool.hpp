@@ -33,6 +33,7 @@ class ThreadPool {
   void parallel_for(std::size_t tasks, const std::function<void(std::size_t)>& fn);
 
  private:
+  void stop() noexcept;
   void worker_loop();
   void run_tasks();
 

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -56,6 +57,8 @@ struct Range {
 
 void validate_buffers(const AdamWBuffers& b) {
   TS_EXPECTS(b.numel > 0, "AdamW: zero-size parameter (numel == 0)");
+  // Byte ranges below must not wrap around the address space.
+  TS_EXPECTS(b.numel <= (std::numeric_limits<std::uintptr_t>::max() >> 3), "AdamW: numel is impossibly large");
   TS_EXPECTS(b.param && b.grad && b.exp_avg && b.exp_avg_sq, "AdamW: null buffer pointer");
   TS_EXPECTS(b.grad_dtype == DType::float32 || b.grad_dtype == DType::bfloat16,
              "AdamW: gradient dtype must be float32 or bfloat16");
@@ -102,6 +105,7 @@ std::size_t chunk_elements(std::size_t numel, std::size_t threads) {
   // A few chunks per thread balance a late-waking thread; each chunk stays long enough
   // (>= 64 KiB of every stream) for the hardware prefetchers to run ahead.
   constexpr std::size_t kMinChunk = 16384;
+  threads = std::max<std::size_t>(threads, 1);
   const std::size_t per_task = (numel + 4 * threads - 1) / (4 * threads);
   const std::size_t chunk = std::max(kMinChunk, per_task);
   return (chunk + 15) / 16 * 16;

@@ -39,7 +39,7 @@ TriadResult measure_triad(ThreadPool& pool, std::size_t numel, int repeats, Isa 
                                    : kernels::triad_scalar;
   auto a = alloc_floats(numel), b = alloc_floats(numel), c = alloc_floats(numel);
   // One contiguous, 64-byte aligned range per task, as the AdamW engine splits its work.
-  const std::size_t chunk = (numel / (4 * pool.size()) + 15) / 16 * 16;
+  const std::size_t chunk = std::max<std::size_t>(16, (numel / (4 * pool.size()) + 15) / 16 * 16);
   const std::size_t tasks = (numel + chunk - 1) / chunk;
   pool.parallel_for(tasks, [&](std::size_t t) {  // first touch from the threads that stream it
     const std::size_t lo = t * chunk, hi = std::min(numel, lo + chunk);
