@@ -1,0 +1,173 @@
+"""`python -m trainstream` (or `trainstream`): what this machine offers, and quick checks.
+
+    trainstream info      versions, CUDA, GPU and PCIe link, measured copy and memory bandwidth,
+                          host ISA, threads and RAM
+    trainstream verify    where training memory lives, stock AdamW vs TrainStream (PASS/FAIL)
+    trainstream bench     host AdamW against torch's fused CPU AdamW, side by side
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+import time
+
+import torch
+
+import trainstream
+from trainstream._native import _C
+
+
+def _step(message: str) -> None:
+    print(f"  .. {message}", file=sys.stderr, flush=True)
+
+
+def _meminfo() -> dict[str, int]:
+    out = {}
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                key, value = line.split(":", 1)
+                if key in ("MemTotal", "MemAvailable"):
+                    out[key] = int(value.split()[0]) * 1024
+    except OSError:
+        pass
+    return out
+
+
+def _pcie_link() -> str | None:
+    try:
+        done = subprocess.run(
+            ["nvidia-smi", "--query-gpu=pcie.link.gen.current,pcie.link.width.current", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if done.returncode != 0 or not done.stdout.strip():
+        return None
+    gen, width = (x.strip() for x in done.stdout.splitlines()[0].split(","))
+    return f"Gen{gen} x{width}"
+
+
+def _copy_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> dict[str, float]:
+    """Pinned host <-> device copy bandwidth in GB/s, best of `repeats`."""
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    result = {}
+    for name, dst, src in (("h2d_GBps", dev, host), ("d2h_GBps", host, dev)):
+        best = 0.0
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dst.copy_(src, non_blocking=True)
+            end.record()
+            end.synchronize()
+            best = max(best, nbytes / (start.elapsed_time(end) / 1e3) / 1e9)
+        result[name] = round(best, 1)
+    return result
+
+
+def info(args) -> int:
+    cpu = _C.cpu_features()
+    mem = _meminfo()
+    report = {
+        "trainstream": trainstream.__version__,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "native_build_has_cuda": bool(_C.has_cuda),
+        "host_isa": cpu["best_isa"],
+        "host_cpus": cpu["available_cpus"],
+        "host_ram_GiB": round(mem.get("MemTotal", 0) / 2**30, 1),
+        "host_ram_available_GiB": round(mem.get("MemAvailable", 0) / 2**30, 1),
+    }
+    if _C.has_cuda:
+        cuda = _C.cuda_info()
+        report["cuda_runtime"] = cuda["runtime_version"]
+        report["cuda_driver"] = cuda["driver_version"]
+        if cuda["error"]:
+            report["cuda_error"] = cuda["error"]
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        report["gpu"] = props.name
+        report["gpu_memory_GiB"] = round(props.total_memory / 2**30, 1)
+        report["pcie_link"] = _pcie_link()
+        if not args.quick:
+            _step("measuring pinned copy bandwidth (1 GiB each way)")
+            report.update(_copy_bandwidth())
+    else:
+        report["gpu"] = None
+    if not args.quick:
+        _step(f"measuring host memory bandwidth (triad, {cpu['available_cpus']} threads)")
+        report["host_triad_GBps"] = round(_C.measure_triad(1 << 26, 3, 0, None)["best_GBps"], 1)
+    if args.json:
+        print(json.dumps(report))
+    else:
+        width = max(map(len, report))
+        for key, value in report.items():
+            print(f"{key:<{width}}  {value}")
+    return 0
+
+
+def bench(args) -> int:
+    """Host AdamW vs torch's fused CPU AdamW on the same parameters, in this process."""
+    n = args.params
+    _step(f"allocating {n:,} parameters ({n * 16 / 2**30:.1f} GiB per optimizer)")
+    torch.manual_seed(0)
+    p = torch.randn(n)
+    g = torch.randn(n)
+    engine = trainstream.HostAdamW()
+    m, v = torch.zeros(n), torch.zeros(n)
+    ours = []
+    for step in range(1, args.steps + 2):
+        t0 = time.perf_counter()
+        engine.step(p, g, m, v, lr=1e-3, step=step)
+        ours.append(time.perf_counter() - t0)
+    ref = torch.nn.Parameter(torch.randn(n))
+    ref.grad = g
+    opt = torch.optim.AdamW([ref], lr=1e-3, fused=True)
+    theirs = []
+    for _ in range(args.steps + 1):
+        t0 = time.perf_counter()
+        opt.step()
+        theirs.append(time.perf_counter() - t0)
+    ours_ns = sorted(ours[1:])[len(ours[1:]) // 2] / n * 1e9
+    fused_ns = sorted(theirs[1:])[len(theirs[1:]) // 2] / n * 1e9
+    _step("measuring host memory bandwidth (triad)")
+    triad = _C.measure_triad(max(n // 2, 1 << 20), 3, 0, None)["best_GBps"]
+    result = {"params": n, "isa": engine.isa, "threads": engine.threads,
+              "trainstream_ns_per_param": round(ours_ns, 4), "torch_fused_ns_per_param": round(fused_ns, 4),
+              "triad_GBps": round(triad, 1), "bandwidth_share": round(28 / ours_ns / triad, 3)}
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"host AdamW, {n:,} params, {engine.threads} threads")
+        print(f"  trainstream ({engine.isa}): {ours_ns:.3f} ns/param  ({28 / ours_ns:.1f} GB/s, "
+              f"{100 * 28 / ours_ns / triad:.0f}% of the {triad:.0f} GB/s triad)")
+        print(f"  torch AdamW fused:        {fused_ns:.3f} ns/param")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="trainstream", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_info = sub.add_parser("info", help="versions, hardware and measured bandwidths")
+    p_info.add_argument("--json", action="store_true")
+    p_info.add_argument("--quick", action="store_true", help="skip the bandwidth measurements")
+    sub.add_parser("verify", help="where training memory lives (needs a GPU)", add_help=False)
+    p_bench = sub.add_parser("bench", help="host AdamW against torch's fused CPU AdamW")
+    p_bench.add_argument("--params", type=int, default=1 << 26)
+    p_bench.add_argument("--steps", type=int, default=5)
+    p_bench.add_argument("--json", action="store_true")
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["verify"]:
+        from trainstream.verify import main as verify_main
+
+        return verify_main(argv[1:])
+    args = parser.parse_args(argv)
+    return {"info": info, "bench": bench}[args.command](args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,85 @@
+"""Hugging Face Trainer integration: `TrainStreamTrainer` is a drop-in `transformers.Trainer`.
+
+    from trainstream.integrations.huggingface import TrainStreamTrainer
+    trainer = TrainStreamTrainer(model=model, args=TrainingArguments(..., bf16=True), train_dataset=ds)
+    trainer.train()
+
+It builds the optimizer the Trainer would (AdamW with the usual decay / no-decay groups and the
+lr, betas, eps and weight_decay of TrainingArguments), wraps it with trainstream.wrap() using
+`gradient_accumulation_steps` and `max_grad_norm`, and does the clipping itself on the host. The
+logged `grad_norm` is TrainStream's pre-clip global norm.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+try:
+    from transformers import Trainer
+except ImportError as exc:  # pragma: no cover - exercised only without transformers
+    raise ImportError(
+        "trainstream.integrations.huggingface needs transformers: pip install 'trainstream[hf]'"
+    ) from exc
+
+import trainstream
+from trainstream.errors import UnsupportedSetupError
+from trainstream.optimizer import OffloadedAdamW
+
+
+def _unwrap(optimizer: Any) -> Any:
+    """accelerate wraps the optimizer in an AcceleratedOptimizer; ours is inside."""
+    while optimizer is not None and not isinstance(optimizer, OffloadedAdamW) and hasattr(optimizer, "optimizer"):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
+class TrainStreamTrainer(Trainer):
+    """A `transformers.Trainer` whose optimizer state, gradients and update live in host memory.
+
+    Extra keyword: `trainstream_options`, a dict passed on to trainstream.wrap() (e.g.
+    ``{"threads": 12}``).
+    """
+
+    def __init__(self, *args: Any, trainstream_options: dict | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.args.fp16:
+            raise UnsupportedSetupError(
+                "TrainStreamTrainer does not support fp16=True: fp16 needs loss scaling, which "
+                "TrainStream does not implement. Use bf16=True (or full fp32)."
+            )
+        self._ts_options = dict(trainstream_options or {})
+        norm = self.args.max_grad_norm
+        self._ts_max_grad_norm = norm if norm is not None and norm > 0 else None
+        # Clipping happens inside the offloaded step; the Trainer's own pass would find no
+        # gradients on the device.
+        self.args.max_grad_norm = 0.0
+
+    def create_optimizer(self, model=None):
+        optimizer = super().create_optimizer(model) if model is not None else super().create_optimizer()
+        if not isinstance(_unwrap(optimizer), OffloadedAdamW):
+            target = self.model if model is None else model
+            _, self.optimizer = trainstream.wrap(
+                target, optimizer,
+                max_grad_norm=self._ts_max_grad_norm,
+                accumulation_steps=self.args.gradient_accumulation_steps,
+                track_grad_norm=True,
+                **self._ts_options,
+            )
+        return self.optimizer
+
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        optimizer = _unwrap(self.optimizer)
+        if isinstance(optimizer, OffloadedAdamW) and "loss" in logs:
+            norm = optimizer.last_grad_norm
+            if norm is not None:
+                logs["grad_norm"] = norm
+            report = optimizer.report()
+            logs["trainstream_host_GB"] = round(report["host_bytes_used"] / 1e9, 3)
+            logs["trainstream_isa"] = report["isa"]
+        super().log(logs, *args, **kwargs)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        optimizer = _unwrap(self.optimizer)
+        if isinstance(optimizer, OffloadedAdamW):
+            optimizer.synchronize()
+        super()._save_optimizer_and_scheduler(output_dir)

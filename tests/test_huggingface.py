@@ -1,0 +1,66 @@
+"""TrainStreamTrainer against the stock Trainer on a tiny Llama, on the CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+from trainstream.integrations.huggingface import TrainStreamTrainer  # noqa: E402
+from trainstream.errors import UnsupportedSetupError  # noqa: E402
+
+
+class TokenData(torch.utils.data.Dataset):
+    def __init__(self, n: int = 48, seq: int = 16, vocab: int = 101) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(0, vocab, (n, seq), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def tiny_llama():
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=101, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=32)
+    return transformers.LlamaForCausalLM(config)
+
+
+def arguments(tmp_path, **overrides):
+    kwargs = dict(output_dir=str(tmp_path), max_steps=6, per_device_train_batch_size=4,
+                  gradient_accumulation_steps=2, learning_rate=3e-3, weight_decay=0.1, adam_beta2=0.95,
+                  max_grad_norm=0.5, lr_scheduler_type="cosine", warmup_steps=2, logging_steps=1,
+                  save_strategy="no", report_to=[], use_cpu=True, seed=0, data_seed=0,
+                  dataloader_num_workers=0, disable_tqdm=True)
+    kwargs.update(overrides)
+    return transformers.TrainingArguments(**kwargs)
+
+
+def run(trainer_cls, tmp_path):
+    trainer = trainer_cls(model=tiny_llama(), args=arguments(tmp_path), train_dataset=TokenData())
+    trainer.train()
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    return trainer, logs
+
+
+def test_losses_and_grad_norms_match_the_stock_trainer(tmp_path):
+    _, stock = run(transformers.Trainer, tmp_path / "stock")
+    trainer, ours = run(TrainStreamTrainer, tmp_path / "ts")
+    assert len(ours) == len(stock) == 6
+    assert [e["loss"] for e in ours] == pytest.approx([e["loss"] for e in stock], rel=1e-5)
+    assert [e["grad_norm"] for e in ours] == pytest.approx([e["grad_norm"] for e in stock], rel=1e-4)
+    assert all(e["grad_norm"] > 0.5 for e in ours[:2])  # clipping was active
+    assert all("trainstream_host_GB" in e for e in ours)
+    assert all(p.grad is None for p in trainer.model.parameters())
+
+
+def test_fp16_is_refused(tmp_path):
+    args = arguments(tmp_path)
+    args.fp16 = True  # set after construction: TrainingArguments itself rejects fp16 on a CPU
+    with pytest.raises(UnsupportedSetupError, match="fp16"):
+        TrainStreamTrainer(model=tiny_llama(), args=args, train_dataset=TokenData())
