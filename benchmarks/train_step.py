@@ -41,9 +41,8 @@ def build_model(args) -> torch.nn.Module:
 
 
 def loss_of(model, tokens):
-    out = model(input_ids=tokens, labels=tokens) if hasattr(model, "config") else None
-    if out is not None:
-        return out.loss
+    if hasattr(model, "config"):  # a transformers model
+        return model(input_ids=tokens, labels=tokens).loss
     return model.loss(tokens)
 
 
@@ -110,9 +109,6 @@ def run_mode(mode: str, args) -> dict:
         result["setup_s"] = setup_s
         result["report"] = opt.report()
         opt.remove_hooks()
-    del model, opt, tokens
-    gc.collect()
-    torch.cuda.empty_cache()
     return result
 
 
@@ -153,8 +149,8 @@ def main(argv=None) -> int:
             results.append({"mode": mode, "skipped": f"not installed ({exc.name})"})
         except torch.OutOfMemoryError:
             results.append({"mode": mode, "error": "out of memory"})
-            gc.collect()
-            torch.cuda.empty_cache()
+        gc.collect()  # the mode's model, optimizer and pinned memory go before the next one
+        torch.cuda.empty_cache()
         print(json.dumps({k: v for k, v in results[-1].items() if k != "report"}), flush=True)
     base = next((r["step_s"] for r in results if r.get("mode") == "gpu-adamw" and "step_s" in r), None)
     print(f"\n{torch.cuda.get_device_name()}  hidden={args.hidden} layers={args.layers} batch={args.batch}x{args.seq} "

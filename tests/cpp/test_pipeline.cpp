@@ -30,6 +30,8 @@ class ManualTransfer : public Transfer {
   }
   void wait_download(TransferSlot&) override {}
   void upload(TransferSlot&, void* device, const void* host, std::size_t bytes) override {
+    ++uploads_entered;
+    while (hold_uploads) std::this_thread::sleep_for(std::chrono::milliseconds(1));
     if (fail_uploads) throw Error("upload failed on purpose");
     std::memcpy(device, host, bytes);
     std::lock_guard<std::mutex> lock(mu);
@@ -50,6 +52,8 @@ class ManualTransfer : public Transfer {
   std::vector<std::function<void()>> pending;
   std::vector<void*> uploads;
   std::atomic<bool> fail_uploads{false};
+  std::atomic<bool> hold_uploads{false};  // parks the worker inside upload()
+  std::atomic<int> uploads_entered{0};
 
  private:
   HostArena arena_;
@@ -88,15 +92,35 @@ TEST_CASE("updates run in forward (priority) order once their gradients have lan
                                 update_job(reinterpret_cast<std::uintptr_t>(weights[i].data())));
   }
   std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  CHECK(rig.transfer->uploads.empty());  // nothing has landed: nothing may run
+  CHECK(rig.transfer->uploads_entered == 0);  // nothing has landed: nothing may run
   CHECK(rig.pipeline->pending() == 3);
+
+  // Park the worker in an earlier parameter's upload, land all three, then let it go: it must
+  // choose among the three ready updates by priority, not by arrival.
+  std::vector<float> blocker(n, 1.0f);
+  auto first = rig.pipeline->add_param(n, DType::float32, false, 99);
+  rig.transfer->hold_uploads = true;
+  rig.pipeline->land_gradient(first, reinterpret_cast<std::uintptr_t>(grads.data()), 0,
+                              update_job(reinterpret_cast<std::uintptr_t>(blocker.data())));
+  {
+    std::function<void()> landed_first;
+    {
+      std::lock_guard<std::mutex> lock(rig.transfer->mu);
+      landed_first = std::move(rig.transfer->pending.back());
+      rig.transfer->pending.pop_back();
+    }
+    landed_first();
+  }
+  while (rig.transfer->uploads_entered == 0) std::this_thread::sleep_for(std::chrono::milliseconds(1));
   rig.transfer->land_all();
+  rig.transfer->hold_uploads = false;
   rig.pipeline->synchronize();
-  CHECK(rig.transfer->uploads.size() == 3);
-  if (rig.transfer->uploads.size() == 3) {
-    CHECK(rig.transfer->uploads[0] == weights[1].data());  // priority 0
-    CHECK(rig.transfer->uploads[1] == weights[2].data());  // priority 1
-    CHECK(rig.transfer->uploads[2] == weights[0].data());  // priority 2
+  CHECK(rig.transfer->uploads.size() == 4);
+  if (rig.transfer->uploads.size() == 4) {
+    CHECK(rig.transfer->uploads[0] == blocker.data());
+    CHECK(rig.transfer->uploads[1] == weights[1].data());  // priority 0
+    CHECK(rig.transfer->uploads[2] == weights[2].data());  // priority 1
+    CHECK(rig.transfer->uploads[3] == weights[0].data());  // priority 2
   }
   CHECK(weights[0][0] < 1.0f);  // AdamW moved the weights against the gradient
 }
