@@ -64,3 +64,18 @@ def test_fp16_is_refused(tmp_path):
     args.fp16 = True  # set after construction: TrainingArguments itself rejects fp16 on a CPU
     with pytest.raises(UnsupportedSetupError, match="fp16"):
         TrainStreamTrainer(model=tiny_llama(), args=args, train_dataset=TokenData())
+
+
+def test_finetune_example_runs_side_by_side(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "examples" / "hf_finetune.py"
+    done = subprocess.run([sys.executable, str(script), "--hidden", "64", "--layers", "2", "--seq", "32",
+                           "--vocab", "500", "--steps", "3", "--compare"],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "loss agreement over 3 steps" in done.stdout
+    worst = float(done.stdout.split("max relative difference")[1].split()[0])
+    assert worst <= 1e-5
