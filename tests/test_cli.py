@@ -34,10 +34,12 @@ def test_info_measures_host_bandwidth():
 
 
 def test_bench_compares_with_torch_fused():
-    done = cli("bench", "--params", "1048576", "--steps", "2", "--json")
+    done = cli("bench", "--params", "1048576", "--steps", "2", "--hidden", "64", "--layers", "2",
+               "--batch", "8", "--train-steps", "2", "--json")
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
     assert result["trainstream_ns_per_param"] > 0 and result["torch_fused_ns_per_param"] > 0
+    assert result["train_stock"]["step_s"] > 0 and result["train_trainstream"]["step_s"] > 0
 
 
 def test_verify_without_gpu_says_so():

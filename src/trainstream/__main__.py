@@ -3,7 +3,8 @@
     trainstream info      versions, CUDA, GPU and PCIe link, measured copy and memory bandwidth,
                           host ISA, threads and RAM
     trainstream verify    where training memory lives, stock AdamW vs TrainStream (PASS/FAIL)
-    trainstream bench     host AdamW against torch's fused CPU AdamW, side by side
+    trainstream bench     host AdamW against torch's fused CPU AdamW, then a short training run
+                          with stock AdamW and with TrainStream, side by side
 """
 
 from __future__ import annotations
@@ -110,8 +111,48 @@ def info(args) -> int:
     return 0
 
 
+def _train_steps(wrapped: bool, args, device: torch.device) -> dict:
+    """A few steps of the verify model, stock or wrapped: seconds per step and peak VRAM."""
+    from trainstream.verify import Model
+
+    torch.manual_seed(0)
+    model = Model(args.hidden, args.layers).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    if wrapped:
+        model, opt = trainstream.wrap(model, opt)
+    data = torch.randn(args.batch, args.hidden, device=device)
+    cuda = device.type == "cuda"
+
+    def settle():
+        if wrapped:
+            opt.synchronize()
+        if cuda:
+            torch.cuda.synchronize()
+
+    def step():
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
+            loss = model(data)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    step()  # warm-up
+    settle()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    for _ in range(args.train_steps):
+        step()
+    settle()
+    seconds = (time.perf_counter() - t0) / args.train_steps
+    peak = torch.cuda.max_memory_allocated() / 1e9 if cuda else None
+    if wrapped:
+        opt.remove_hooks()
+    return {"step_s": round(seconds, 4), "peak_vram_GB": None if peak is None else round(peak, 3)}
+
+
 def bench(args) -> int:
-    """Host AdamW vs torch's fused CPU AdamW on the same parameters, in this process."""
+    """Host AdamW vs torch's fused CPU AdamW on the same parameters, then a short training run."""
     n = args.params
     _step(f"allocating {n:,} parameters ({n * 16 / 2**30:.1f} GiB per optimizer)")
     torch.manual_seed(0)
@@ -139,6 +180,12 @@ def bench(args) -> int:
     result = {"params": n, "isa": engine.isa, "threads": engine.threads,
               "trainstream_ns_per_param": round(ours_ns, 4), "torch_fused_ns_per_param": round(fused_ns, 4),
               "triad_GBps": round(triad, 1), "bandwidth_share": round(28 / ours_ns / triad, 3)}
+    del p, g, m, v, ref, opt
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    _step(f"training {args.layers} blocks of hidden {args.hidden} on {device}: stock AdamW, then TrainStream")
+    result["train_device"] = str(device)
+    result["train_stock"] = _train_steps(False, args, device)
+    result["train_trainstream"] = _train_steps(True, args, device)
     if args.json:
         print(json.dumps(result))
     else:
@@ -146,6 +193,11 @@ def bench(args) -> int:
         print(f"  trainstream ({engine.isa}): {ours_ns:.3f} ns/param  ({28 / ours_ns:.1f} GB/s, "
               f"{100 * 28 / ours_ns / triad:.0f}% of the {triad:.0f} GB/s triad)")
         print(f"  torch AdamW fused:        {fused_ns:.3f} ns/param")
+        print(f"training on {device}, {args.layers} blocks of hidden {args.hidden}, batch {args.batch}:")
+        for name in ("stock", "trainstream"):
+            r = result[f"train_{name}"]
+            vram = f", peak VRAM {r['peak_vram_GB']:.2f} GB" if r["peak_vram_GB"] is not None else ""
+            print(f"  {name:<12} {r['step_s']:.4f} s/step{vram}")
     return 0
 
 
@@ -159,6 +211,10 @@ def main(argv: list[str] | None = None) -> int:
     p_bench = sub.add_parser("bench", help="host AdamW against torch's fused CPU AdamW")
     p_bench.add_argument("--params", type=int, default=1 << 26)
     p_bench.add_argument("--steps", type=int, default=5)
+    p_bench.add_argument("--hidden", type=int, default=2048, help="training part: model width")
+    p_bench.add_argument("--layers", type=int, default=8, help="training part: residual MLP blocks")
+    p_bench.add_argument("--batch", type=int, default=64)
+    p_bench.add_argument("--train-steps", type=int, default=5)
     p_bench.add_argument("--json", action="store_true")
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["verify"]:
