@@ -68,16 +68,6 @@ class OffloadedAdamW(torch.optim.Optimizer):
 
     # ----------------------------------------------------------------------------- set-up
     def _register(self, model: torch.nn.Module) -> None:
-        names = {p: n for n, p in model.named_parameters(remove_duplicate=True)}
-        in_optimizer = {p for group in self.param_groups for p in group["params"]}
-        missing = [n for p, n in names.items() if p.requires_grad and p not in in_optimizer]
-        if missing:
-            shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
-            raise UnsupportedSetupError(
-                f"{len(missing)} trainable parameter(s) of the model are not in the optimizer "
-                f"({shown}); TrainStream offloads only what the optimizer trains. Pass all "
-                f"trainable parameters to the optimizer or set requires_grad=False on the rest."
-            )
         accumulate = self.accumulation_steps > 1
         for group in self.param_groups:
             for p in group["params"]:

@@ -65,6 +65,15 @@ def wrap(
     if not trainable:
         raise ValueError("the optimizer has no trainable parameters (requires_grad=True)")
     names = {p: n for n, p in model.named_parameters()}
+    in_optimizer = set(trainable)
+    missing = [n for p, n in names.items() if p.requires_grad and p not in in_optimizer]
+    if missing:
+        shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+        raise UnsupportedSetupError(
+            f"{len(missing)} trainable parameter(s) of the model are not in the optimizer "
+            f"({shown}); TrainStream offloads only what the optimizer trains. Pass all "
+            f"trainable parameters to the optimizer or set requires_grad=False on the rest."
+        )
     devices = {p.device for p in trainable}
     if len(devices) != 1:
         raise UnsupportedSetupError(f"all trainable parameters must be on one device, found {sorted(map(str, devices))}")
