@@ -64,6 +64,10 @@ void bind_pipeline(py::module_& m) {
       .def_property_readonly("host_memory_kind", [](OffloadPipeline& o) { return std::string(o.transfer().arena().kind()); })
       .def_property_readonly("host_reserved_bytes", [](OffloadPipeline& o) { return o.transfer().arena().reserved_bytes(); })
       .def_property_readonly("host_used_bytes", [](OffloadPipeline& o) { return o.transfer().arena().used_bytes(); })
+      .def_property("device_accumulate", &OffloadPipeline::device_accumulate,
+                    &OffloadPipeline::set_device_accumulate,
+                    "Whether micro-batch gradients are accumulated by the transfer (a GPU kernel) rather "
+                    "than by host jobs; may be switched at any time.")
       .def_property_readonly("pending", &OffloadPipeline::pending)
       .def_property_readonly("downloading_bytes", &OffloadPipeline::downloading_bytes)
       .def("add_param", [](OffloadPipeline& o, std::size_t numel, const std::string& dtype, bool accumulate,
@@ -116,11 +120,14 @@ void bind_pipeline(py::module_& m) {
              o.synchronize();
            });
 
-  m.def("host_pipeline", [](std::size_t threads, const std::optional<std::string>& isa, std::size_t max_download_bytes) {
+  m.def("host_pipeline", [](std::size_t threads, const std::optional<std::string>& isa,
+                            std::size_t max_download_bytes, bool device_accumulate) {
     return std::make_unique<OffloadPipeline>(std::make_unique<HostTransfer>(), threads, parse_optional_isa(isa),
-                                             max_download_bytes);
+                                             max_download_bytes, device_accumulate);
   }, py::arg("threads") = 0, py::arg("isa") = py::none(), py::arg("max_download_bytes") = std::size_t(512) << 20,
-     "An offload pipeline whose 'device' is host memory (CPU mode).");
+     py::kw_only(), py::arg("device_accumulate") = true,
+     "An offload pipeline whose 'device' is host memory (CPU mode); device_accumulate adds micro-batch "
+     "gradients on the calling thread, as the CUDA build does on the GPU.");
   m.def("host_memory_available", &host_memory_available, "MemAvailable in bytes (0 if unknown).");
 }
 

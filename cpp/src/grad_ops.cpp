@@ -24,27 +24,32 @@ void for_chunks(ThreadPool& pool, std::size_t numel, Body&& body) {
 }
 
 template <typename Load>
-void accumulate_with(ThreadPool& pool, float* acc, std::size_t numel, bool overwrite, Load load) {
-  for_chunks(pool, numel, [&](std::size_t b, std::size_t e, std::size_t) {
-    if (overwrite) {
-      for (std::size_t i = b; i < e; ++i) acc[i] = load(i);
-    } else {
-      for (std::size_t i = b; i < e; ++i) acc[i] += load(i);
-    }
-  });
+void accumulate_range(float* acc, std::size_t numel, bool overwrite, Load load) {
+  if (overwrite) {
+    for (std::size_t i = 0; i < numel; ++i) acc[i] = load(i);
+  } else {
+    for (std::size_t i = 0; i < numel; ++i) acc[i] += load(i);
+  }
 }
 
 }  // namespace
 
-void accumulate_grad(ThreadPool& pool, float* acc, const void* grad, DType dtype, std::size_t numel,
-                     bool overwrite) {
+void accumulate_grad(float* acc, const void* grad, DType dtype, std::size_t numel, bool overwrite) {
   if (dtype == DType::bfloat16) {
     const auto* g = static_cast<const std::uint16_t*>(grad);
-    accumulate_with(pool, acc, numel, overwrite, [g](std::size_t i) { return bf16_to_float(g[i]); });
+    accumulate_range(acc, numel, overwrite, [g](std::size_t i) { return bf16_to_float(g[i]); });
   } else {
     const auto* g = static_cast<const float*>(grad);
-    accumulate_with(pool, acc, numel, overwrite, [g](std::size_t i) { return g[i]; });
+    accumulate_range(acc, numel, overwrite, [g](std::size_t i) { return g[i]; });
   }
+}
+
+void accumulate_grad(ThreadPool& pool, float* acc, const void* grad, DType dtype, std::size_t numel,
+                     bool overwrite) {
+  const std::size_t grad_bytes = dtype_size(dtype);
+  for_chunks(pool, numel, [&](std::size_t b, std::size_t e, std::size_t) {
+    accumulate_grad(acc + b, static_cast<const char*>(grad) + b * grad_bytes, dtype, e - b, overwrite);
+  });
 }
 
 double squared_norm(ThreadPool& pool, const void* data, DType dtype, std::size_t numel) {

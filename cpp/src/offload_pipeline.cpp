@@ -8,8 +8,12 @@
 namespace trainstream {
 
 OffloadPipeline::OffloadPipeline(std::unique_ptr<Transfer> transfer, std::size_t threads,
-                                 std::optional<Isa> isa, std::size_t max_download_bytes)
-    : transfer_(std::move(transfer)), engine_(threads, isa), max_download_bytes_(max_download_bytes) {
+                                 std::optional<Isa> isa, std::size_t max_download_bytes,
+                                 bool device_accumulate)
+    : transfer_(std::move(transfer)),
+      engine_(threads, isa),
+      max_download_bytes_(max_download_bytes),
+      device_accumulate_(device_accumulate) {
   TS_EXPECTS(transfer_ != nullptr, "OffloadPipeline: no transfer backend");
   worker_ = std::thread([this] { worker_loop(); });
 }
@@ -67,49 +71,86 @@ void OffloadPipeline::load_weights(HostParam& p, std::uintptr_t device_weight, s
 
 void OffloadPipeline::land_gradient(const std::shared_ptr<HostParam>& p, std::uintptr_t device_grad,
                                     std::uintptr_t producer_stream, const GradJob& requested) {
+  check_accumulator(*p, requested);  // before anything is written to it
   GradJob job = requested;
-  void* target = p->grad;
+  const bool device_add = device_accumulate_;
+  // Where the gradient goes: the first fp32 micro-batch is copied straight into the accumulator;
+  // other micro-batches are added into it by the transfer (device_add) or copied to the landing
+  // buffer for the worker to add; without accumulation it is copied to the landing buffer.
+  enum class Route { landing, in_place, add } route = Route::landing;
   if (job.accumulate && job.overwrite && p->weight_dtype == DType::float32) {
-    target = p->accumulator;  // first fp32 micro-batch: land in place, nothing to add
-    job.accumulate = false;
+    route = Route::in_place;
+  } else if (job.accumulate && device_add) {
+    route = Route::add;
   }
+  if (route != Route::landing) job.accumulate = false;
+  // The old path always queues the job (even an empty one); the device path only one with work,
+  // since an empty job would make the next micro-batch's hook wait for this one to land. Later
+  // jobs still wait for this landing: enqueue() orders every job after the latest download.
+  const bool queue_job =
+      !device_add || route == Route::landing || job.norm || job.update || job.device_weight != 0;
   const std::size_t bytes = p->weight_bytes();
-  std::uint64_t download;
   {
     std::unique_lock<std::mutex> lock(mutex_);
-    wait_idle(*p, lock);  // the landing buffer is about to be overwritten
+    // Queued jobs may still read the landing buffer or read/write the accumulator (the previous
+    // window's norm and update), both of which this download is about to overwrite or add to.
+    // Within a device-accumulated window no job is queued, so this returns at once.
+    wait_idle(*p, lock);
     landed_.wait(lock, [&] {
       return downloading_bytes_ == 0 || downloading_bytes_ + bytes <= max_download_bytes_ || error_;
     });
     rethrow_locked();
     downloading_bytes_ += bytes;
-    download = ++p->downloads_;
+    ++p->downloads_;
   }
   HostParam* raw = p.get();
-  transfer_->download(*p->slot_, target, reinterpret_cast<const void*>(device_grad), bytes, producer_stream,
-                      [this, raw, bytes] {
-                        {
-                          std::lock_guard<std::mutex> lock(mutex_);
-                          downloading_bytes_ -= bytes;
-                          ++raw->landed_;
-                        }
-                        landed_.notify_all();
-                        work_ready_.notify_one();
-                      });
-  enqueue(p, job, download);
+  auto landed = [this, raw, bytes] {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      downloading_bytes_ -= bytes;
+      ++raw->landed_;
+    }
+    landed_.notify_all();
+    work_ready_.notify_one();
+  };
+  const void* grad = reinterpret_cast<const void*>(device_grad);
+  try {
+    if (route == Route::add) {
+      transfer_->accumulate_download(*p->slot_, p->accumulator, grad, p->weight_dtype, p->numel,
+                                     requested.overwrite, producer_stream, std::move(landed));
+    } else {
+      void* target = route == Route::in_place ? static_cast<void*>(p->accumulator) : p->grad;
+      transfer_->download(*p->slot_, target, grad, bytes, producer_stream, std::move(landed));
+    }
+  } catch (...) {
+    // Nothing was queued, so `landed` will never run: undo its bookkeeping, or later jobs and the
+    // destructor would wait for it forever.
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      downloading_bytes_ -= bytes;
+      --p->downloads_;
+    }
+    landed_.notify_all();
+    throw;
+  }
+  if (queue_job) enqueue(p, job);
 }
 
-void OffloadPipeline::submit(const std::shared_ptr<HostParam>& p, const GradJob& job) {
-  enqueue(p, job, /*download=*/0);
-}
+void OffloadPipeline::submit(const std::shared_ptr<HostParam>& p, const GradJob& job) { enqueue(p, job); }
 
-void OffloadPipeline::enqueue(const std::shared_ptr<HostParam>& p, const GradJob& job, std::uint64_t download) {
-  TS_EXPECTS(!(job.accumulate || job.from_accumulator) || p->accumulator,
+void OffloadPipeline::check_accumulator(const HostParam& p, const GradJob& job) {
+  TS_EXPECTS(!(job.accumulate || job.from_accumulator) || p.accumulator,
              "OffloadPipeline: accumulation requested for a parameter without an accumulator");
+}
+
+void OffloadPipeline::enqueue(const std::shared_ptr<HostParam>& p, const GradJob& job) {
+  check_accumulator(*p, job);
   {
     std::lock_guard<std::mutex> lock(mutex_);
     rethrow_locked();
-    queue_.push_back({p, job, ++p->queued_, download, ++order_});
+    // The job runs after every download of this parameter issued so far has landed: its own
+    // gradient, and device accumulations that queued no job of their own.
+    queue_.push_back({p, job, ++p->queued_, p->downloads_, ++order_});
     ++in_flight_;
   }
   work_ready_.notify_one();
@@ -206,6 +247,8 @@ void OffloadPipeline::gate(const std::vector<HostParam*>& params, std::uintptr_t
 
 void OffloadPipeline::synchronize() {
   std::unique_lock<std::mutex> lock(mutex_);
+  // Downloads first: a device accumulation need not have a job that waits for it.
+  landed_.wait(lock, [&] { return downloading_bytes_ == 0 || error_; });
   job_done_.wait(lock, [&] { return in_flight_ == 0; });
   rethrow_locked();
 }

@@ -2,6 +2,8 @@
 
 #include <cstring>
 
+#include "trainstream/grad_ops.hpp"
+
 namespace trainstream {
 
 HostTransfer::HostTransfer() : arena_(std::make_unique<PageableSlabs>()) {}
@@ -11,6 +13,13 @@ std::unique_ptr<TransferSlot> HostTransfer::make_slot() { return std::make_uniqu
 void HostTransfer::download(TransferSlot&, void* host, const void* device, std::size_t bytes, std::uintptr_t,
                             std::function<void()> landed) {
   std::memcpy(host, device, bytes);
+  if (landed) landed();
+}
+
+void HostTransfer::accumulate_download(TransferSlot&, float* host_acc, const void* device_grad, DType grad_dtype,
+                                       std::size_t numel, bool overwrite, std::uintptr_t,
+                                       std::function<void()> landed) {
+  accumulate_grad(host_acc, device_grad, grad_dtype, numel, overwrite);
   if (landed) landed();
 }
 

@@ -4,6 +4,7 @@
 
 #include <string>
 
+#include "accumulate.hpp"
 #include "trainstream/cuda/cuda_check.hpp"
 
 namespace trainstream {
@@ -38,11 +39,50 @@ struct CudaSlot : TransferSlot {
   }
 };
 
+// The copy (or kernel) must not start before the kernel that produced the gradient has finished.
+void wait_for_producer(CudaSlot& slot, std::uintptr_t producer_stream, cudaStream_t download_stream) {
+  TS_CUDA_CHECK(cudaEventRecord(slot.produced, as_stream(producer_stream)));
+  TS_CUDA_CHECK(cudaStreamWaitEvent(download_stream, slot.produced, 0));
+}
+
+// Marks the slot's download point and queues `landed` behind it.
+void mark_landed(CudaSlot& slot, cudaStream_t download_stream, std::function<void()> landed) {
+  TS_CUDA_CHECK(cudaEventRecord(slot.downloaded, download_stream));
+  if (landed) {
+    auto* fn = new std::function<void()>(std::move(landed));
+    const cudaError_t status = cudaLaunchHostFunc(download_stream, run_landed, fn);
+    if (status != cudaSuccess) {
+      delete fn;
+      TS_CUDA_CHECK(status);
+    }
+  }
+}
+
+// Makes `device` current on this thread for a scope, then restores the caller's device (torch's,
+// on autograd's threads): a kernel launches on the current device, which must own its stream.
+class DeviceScope {
+ public:
+  explicit DeviceScope(int device) : device_(device) {
+    TS_CUDA_CHECK(cudaGetDevice(&previous_));
+    if (previous_ != device_) TS_CUDA_CHECK(cudaSetDevice(device_));
+  }
+  ~DeviceScope() {
+    if (previous_ != device_) cudaSetDevice(previous_);
+  }
+  DeviceScope(const DeviceScope&) = delete;
+  DeviceScope& operator=(const DeviceScope&) = delete;
+
+ private:
+  int device_;
+  int previous_ = 0;
+};
+
 }  // namespace
 
 void* PinnedSlabs::allocate(std::size_t bytes) {
   void* p = nullptr;
-  const cudaError_t status = cudaHostAlloc(&p, bytes, cudaHostAllocDefault);
+  // Mapped: kernels address it directly (accumulate_download); portable: on every device.
+  const cudaError_t status = cudaHostAlloc(&p, bytes, cudaHostAllocMapped | cudaHostAllocPortable);
   if (status != cudaSuccess) {
     cudaGetLastError();
     throw Error("cannot pin " + std::to_string(bytes >> 20) + " MiB of host memory (" +
@@ -66,19 +106,23 @@ std::unique_ptr<TransferSlot> CudaTransfer::make_slot() { return std::make_uniqu
 void CudaTransfer::download(TransferSlot& s, void* host, const void* device, std::size_t bytes,
                             std::uintptr_t producer_stream, std::function<void()> landed) {
   auto& slot = static_cast<CudaSlot&>(s);
-  // The copy must not start before the kernel that produced the gradient has finished.
-  TS_CUDA_CHECK(cudaEventRecord(slot.produced, as_stream(producer_stream)));
-  TS_CUDA_CHECK(cudaStreamWaitEvent(as_stream(download_stream_), slot.produced, 0));
-  TS_CUDA_CHECK(cudaMemcpyAsync(host, device, bytes, cudaMemcpyDeviceToHost, as_stream(download_stream_)));
-  TS_CUDA_CHECK(cudaEventRecord(slot.downloaded, as_stream(download_stream_)));
-  if (landed) {
-    auto* fn = new std::function<void()>(std::move(landed));
-    const cudaError_t status = cudaLaunchHostFunc(as_stream(download_stream_), run_landed, fn);
-    if (status != cudaSuccess) {
-      delete fn;
-      TS_CUDA_CHECK(status);
-    }
-  }
+  const cudaStream_t stream = as_stream(download_stream_);
+  wait_for_producer(slot, producer_stream, stream);
+  TS_CUDA_CHECK(cudaMemcpyAsync(host, device, bytes, cudaMemcpyDeviceToHost, stream));
+  mark_landed(slot, stream, std::move(landed));
+}
+
+void CudaTransfer::accumulate_download(TransferSlot& s, float* host_acc, const void* device_grad, DType grad_dtype,
+                                       std::size_t numel, bool overwrite, std::uintptr_t producer_stream,
+                                       std::function<void()> landed) {
+  auto& slot = static_cast<CudaSlot&>(s);
+  const cudaStream_t stream = as_stream(download_stream_);
+  DeviceScope on_device(device_);
+  float* acc = nullptr;  // the same bytes as host_acc, as the GPU addresses them
+  TS_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&acc), host_acc, 0));
+  wait_for_producer(slot, producer_stream, stream);
+  launch_accumulate(acc, device_grad, grad_dtype, numel, overwrite, stream);
+  mark_landed(slot, stream, std::move(landed));
 }
 
 void CudaTransfer::wait_download(TransferSlot& s) {

@@ -1,5 +1,5 @@
-// The offload pipeline's scheduling, driven through a transfer backend whose downloads land
-// only when the test says so.
+// The offload pipeline's scheduling, driven through a transfer backend whose downloads (and
+// device accumulations) land only when the test says so.
 #include <atomic>
 #include <cmath>
 #include <chrono>
@@ -10,6 +10,7 @@
 
 #include "check.hpp"
 #include "trainstream/errors.hpp"
+#include "trainstream/grad_ops.hpp"
 #include "trainstream/offload_pipeline.hpp"
 
 using namespace trainstream;
@@ -27,6 +28,19 @@ class ManualTransfer : public Transfer {
     std::memcpy(host, device, bytes);
     std::lock_guard<std::mutex> lock(mu);
     if (landed) pending.push_back(std::move(landed));
+  }
+  // Like the GPU, the add itself happens only when the test lands it: a host job that read the
+  // accumulator too early would see it unchanged.
+  void accumulate_download(TransferSlot&, float* host_acc, const void* device_grad, DType grad_dtype,
+                           std::size_t numel, bool overwrite, std::uintptr_t,
+                           std::function<void()> landed) override {
+    if (fail_accumulate) throw Error("accumulate_download failed on purpose");
+    ++accumulations;
+    std::lock_guard<std::mutex> lock(mu);
+    pending.push_back([=, landed = std::move(landed)] {
+      accumulate_grad(host_acc, device_grad, grad_dtype, numel, overwrite);
+      if (landed) landed();
+    });
   }
   void wait_download(TransferSlot&) override {}
   void upload(TransferSlot&, void* device, const void* host, std::size_t bytes) override {
@@ -54,6 +68,8 @@ class ManualTransfer : public Transfer {
   std::atomic<bool> fail_uploads{false};
   std::atomic<bool> hold_uploads{false};  // parks the worker inside upload()
   std::atomic<int> uploads_entered{0};
+  std::atomic<bool> fail_accumulate{false};
+  std::atomic<int> accumulations{0};
 
  private:
   HostArena arena_;
@@ -62,10 +78,11 @@ class ManualTransfer : public Transfer {
 struct Rig {
   ManualTransfer* transfer;
   std::unique_ptr<OffloadPipeline> pipeline;
-  explicit Rig(std::size_t max_download_bytes = std::size_t(1) << 30) {
+  explicit Rig(std::size_t max_download_bytes = std::size_t(1) << 30, bool device_accumulate = true) {
     auto t = std::make_unique<ManualTransfer>();
     transfer = t.get();
-    pipeline = std::make_unique<OffloadPipeline>(std::move(t), 2, Isa::scalar, max_download_bytes);
+    pipeline = std::make_unique<OffloadPipeline>(std::move(t), 2, Isa::scalar, max_download_bytes,
+                                                 device_accumulate);
   }
 };
 
@@ -221,6 +238,238 @@ TEST_CASE("bf16 weights travel back up from the landing buffer, rounded from the
   bool all_rounded = true;
   for (std::size_t i = 0; i < n; ++i) all_rounded = all_rounded && weight[i] == float_to_bf16(p->master[i]);
   CHECK(all_rounded);
+}
+
+// ------------------------------------------------------------------ accumulation on the "device"
+
+namespace {
+
+std::uintptr_t addr(const void* p) { return reinterpret_cast<std::uintptr_t>(p); }
+
+// Gradient k of a window, spread over many binades so that the fp32 sums round.
+float grad_value(std::size_t i, int k) {
+  return std::sin(0.37f * i + k) * std::ldexp(1.f, static_cast<int>((7 * i + 3 * k) % 41) - 20);
+}
+
+// A device buffer of n elements of `dtype`, as raw bytes.
+std::vector<unsigned char> device_buffer(DType dtype, std::size_t n, float (*value)(std::size_t, int), int k) {
+  std::vector<unsigned char> bytes(n * dtype_size(dtype));
+  for (std::size_t i = 0; i < n; ++i) {
+    const float v = value(i, k);
+    if (dtype == DType::bfloat16) {
+      const std::uint16_t b = float_to_bf16(v);
+      std::memcpy(bytes.data() + 2 * i, &b, 2);
+    } else {
+      std::memcpy(bytes.data() + 4 * i, &v, 4);
+    }
+  }
+  return bytes;
+}
+
+GradJob micro_batch(int k, int count, std::uintptr_t device_weight) {
+  GradJob job;
+  job.accumulate = job.from_accumulator = true;
+  job.overwrite = k == 0;
+  if (k == count - 1) {
+    job.norm = true;
+    job.update = true;
+    job.hyper.lr = 0.01;
+    job.device_weight = device_weight;
+  }
+  return job;
+}
+
+struct WindowResult {
+  std::vector<float> acc, master, exp_avg, exp_avg_sq;
+  std::vector<unsigned char> weight;
+  double squared_norm = 0;
+};
+
+// Two accumulation windows of four micro-batches through `pipeline`, landing each download at
+// once when `manual` is given (HostTransfer lands synchronously by itself).
+WindowResult run_windows(OffloadPipeline& pipeline, ManualTransfer* manual, DType dtype, std::size_t n) {
+  const int count = 4;
+  auto weight = device_buffer(dtype, n, [](std::size_t i, int) { return std::cos(0.11f * i); }, 0);
+  auto p = pipeline.add_param(n, dtype, true);
+  pipeline.load_weights(*p, addr(weight.data()), 0);
+  for (int window = 0; window < 2; ++window) {
+    for (int k = 0; k < count; ++k) {
+      const auto grad = device_buffer(dtype, n, grad_value, 10 * window + k);
+      pipeline.land_gradient(p, addr(grad.data()), 0, micro_batch(k, count, addr(weight.data())));
+      if (manual) manual->land_all();
+    }
+  }
+  pipeline.synchronize();
+  WindowResult r;
+  r.acc.assign(p->accumulator, p->accumulator + n);
+  r.master.assign(p->master, p->master + n);
+  r.exp_avg.assign(p->exp_avg, p->exp_avg + n);
+  r.exp_avg_sq.assign(p->exp_avg_sq, p->exp_avg_sq + n);
+  r.weight = weight;
+  r.squared_norm = p->squared_norm;
+  return r;
+}
+
+bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), 4 * a.size()) == 0;
+}
+
+bool same_result(const WindowResult& a, const WindowResult& b) {
+  return same_bits(a.acc, b.acc) && same_bits(a.master, b.master) && same_bits(a.exp_avg, b.exp_avg) &&
+         same_bits(a.exp_avg_sq, b.exp_avg_sq) && a.weight == b.weight && a.squared_norm == b.squared_norm;
+}
+
+}  // namespace
+
+TEST_CASE("device accumulation gives bit-identical sums, norms and updates to the host path") {
+  for (DType dtype : {DType::float32, DType::bfloat16}) {
+    for (std::size_t n : {std::size_t(1), std::size_t(17), std::size_t(4099)}) {
+      Rig off(std::size_t(1) << 30, false), on(std::size_t(1) << 30, true);
+      const WindowResult base = run_windows(*off.pipeline, off.transfer, dtype, n);
+      const WindowResult dev = run_windows(*on.pipeline, on.transfer, dtype, n);
+      CHECK(off.transfer->accumulations == 0);
+      // fp32: the first micro-batch of each window is a plain copy into the accumulator.
+      CHECK(on.transfer->accumulations == (dtype == DType::float32 ? 6 : 8));
+      CHECK(same_result(base, dev));
+      // ...and both are the plain sequential fp32 sum of the last window's gradients.
+      std::vector<float> sum(n);
+      for (int k = 0; k < 4; ++k) {
+        const auto g = device_buffer(dtype, n, grad_value, 10 + k);
+        accumulate_grad(sum.data(), g.data(), dtype, n, k == 0);
+      }
+      CHECK(same_bits(dev.acc, sum));
+      // CPU mode: HostTransfer, the transfer wrap() uses without a GPU, either way.
+      for (bool device_accumulate : {false, true}) {
+        OffloadPipeline host(std::make_unique<HostTransfer>(), 2, Isa::scalar, std::size_t(1) << 30,
+                             device_accumulate);
+        CHECK(same_result(run_windows(host, nullptr, dtype, n), base));
+      }
+    }
+  }
+}
+
+TEST_CASE("with device accumulation, micro-batches neither queue jobs nor wait for each other") {
+  Rig rig;
+  const std::size_t n = 1000;
+  std::vector<std::vector<unsigned char>> grads;
+  for (int k = 0; k < 3; ++k) grads.push_back(device_buffer(DType::float32, n, grad_value, k));
+  auto p = rig.pipeline->add_param(n, DType::float32, true);
+  std::atomic<int> issued{0};
+  std::thread hook([&] {
+    for (int k = 0; k < 3; ++k) {
+      GradJob job;
+      job.accumulate = job.from_accumulator = true;
+      job.overwrite = k == 0;
+      rig.pipeline->land_gradient(p, addr(grads[k].data()), 0, job);
+      ++issued;
+    }
+  });
+  for (int i = 0; i < 500 && issued < 3; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  CHECK(issued == 3);  // nothing has landed, yet no hook waited
+  CHECK(rig.pipeline->pending() == 0);
+  std::atomic<bool> synced{false};
+  std::thread sync([&] {
+    rig.pipeline->synchronize();
+    synced = true;
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  CHECK(!synced.load());  // synchronize waits for the accumulations to land, not just for jobs
+  while (issued < 3) {  // (a loop, so that a hook that did wait fails the checks above, not hangs)
+    rig.transfer->land_all();
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  rig.transfer->land_all();
+  hook.join();
+  sync.join();
+  rig.pipeline->synchronize();
+  std::vector<float> sum(n);
+  for (int k = 0; k < 3; ++k) accumulate_grad(sum.data(), grads[k].data(), DType::float32, n, k == 0);
+  CHECK(std::memcmp(p->accumulator, sum.data(), 4 * n) == 0);
+}
+
+TEST_CASE("a new window's first micro-batch waits for the last window's update from the accumulator") {
+  for (DType dtype : {DType::float32, DType::bfloat16}) {
+    Rig rig;
+    const std::size_t n = 257;
+    auto weight = device_buffer(dtype, n, [](std::size_t i, int) { return std::cos(0.11f * i); }, 0);
+    auto p = rig.pipeline->add_param(n, dtype, true);
+    rig.pipeline->load_weights(*p, addr(weight.data()), 0);
+    std::vector<float> master0(p->master, p->master + n);
+    const auto g0 = device_buffer(dtype, n, grad_value, 0), g1 = device_buffer(dtype, n, grad_value, 1);
+    const auto next = device_buffer(dtype, n, grad_value, 2);
+    rig.pipeline->land_gradient(p, addr(g0.data()), 0, micro_batch(0, 2, 0));
+    rig.pipeline->land_gradient(p, addr(g1.data()), 0, micro_batch(1, 2, addr(weight.data())));
+    rig.transfer->hold_uploads = true;  // the update's job stays unfinished, parked in its upload
+    rig.transfer->land_all();
+    while (rig.transfer->uploads_entered == 0) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    std::vector<float> window_sum(p->accumulator, p->accumulator + n);
+    std::atomic<bool> issued{false};
+    std::thread hook([&] {
+      rig.pipeline->land_gradient(p, addr(next.data()), 0, micro_batch(0, 2, 0));
+      issued = true;
+    });
+    std::this_thread::sleep_for(std::chrono::milliseconds(30));
+    CHECK(!issued.load());
+    CHECK(std::memcmp(p->accumulator, window_sum.data(), 4 * n) == 0);  // untouched while in use
+    rig.transfer->hold_uploads = false;
+    hook.join();
+    rig.transfer->land_all();
+    rig.pipeline->synchronize();
+    std::vector<float> expect(n);
+    accumulate_grad(expect.data(), next.data(), dtype, n, true);
+    CHECK(std::memcmp(p->accumulator, expect.data(), 4 * n) == 0);
+    // The update used the whole first window.
+    std::vector<float> ref_m(n, 0.f), ref_v(n, 0.f);
+    HostAdamW engine(1, Isa::scalar);
+    AdamWBuffers b{master0.data(), window_sum.data(), DType::float32, ref_m.data(), ref_v.data(), nullptr, n};
+    engine.step(b, micro_batch(1, 2, 0).hyper);
+    CHECK(std::memcmp(p->master, master0.data(), 4 * n) == 0);
+  }
+}
+
+TEST_CASE("an update submitted after device accumulations (an early step) waits for them to land") {
+  Rig rig;
+  const std::size_t n = 300;
+  std::vector<float> weight(n, 1.f);
+  auto p = rig.pipeline->add_param(n, DType::float32, true);
+  rig.pipeline->load_weights(*p, addr(weight.data()), 0);
+  const auto g0 = device_buffer(DType::float32, n, grad_value, 0);
+  const auto g1 = device_buffer(DType::float32, n, grad_value, 1);
+  rig.pipeline->land_gradient(p, addr(g0.data()), 0, micro_batch(0, 4, 0));
+  rig.pipeline->land_gradient(p, addr(g1.data()), 0, micro_batch(1, 4, 0));
+  GradJob update = update_job(addr(weight.data()));
+  update.from_accumulator = true;
+  rig.pipeline->submit(p, update);
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  CHECK(rig.transfer->uploads_entered == 0);
+  rig.transfer->land_all();
+  rig.pipeline->synchronize();
+  std::vector<float> sum(n), ref_p(n, 1.f), ref_m(n, 0.f), ref_v(n, 0.f);
+  accumulate_grad(sum.data(), g0.data(), DType::float32, n, true);
+  accumulate_grad(sum.data(), g1.data(), DType::float32, n, false);
+  HostAdamW engine(1, Isa::scalar);
+  AdamWBuffers b{ref_p.data(), sum.data(), DType::float32, ref_m.data(), ref_v.data(), nullptr, n};
+  engine.step(b, update.hyper);
+  CHECK(std::memcmp(weight.data(), ref_p.data(), 4 * n) == 0);
+}
+
+TEST_CASE("a failed device accumulation throws and leaves nothing in flight") {
+  Rig rig;
+  const std::size_t n = 64;
+  const auto g = device_buffer(DType::float32, n, grad_value, 0);
+  auto p = rig.pipeline->add_param(n, DType::float32, true);
+  rig.pipeline->land_gradient(p, addr(g.data()), 0, micro_batch(0, 4, 0));
+  rig.transfer->land_all();
+  rig.transfer->fail_accumulate = true;
+  CHECK_THROWS_AS(rig.pipeline->land_gradient(p, addr(g.data()), 0, micro_batch(1, 4, 0)), Error);
+  CHECK(rig.pipeline->downloading_bytes() == 0);
+  rig.transfer->fail_accumulate = false;
+  GradJob norm = micro_batch(1, 4, 0);
+  norm.norm = true;
+  rig.pipeline->land_gradient(p, addr(g.data()), 0, norm);
+  rig.transfer->land_all();
+  rig.pipeline->synchronize();  // would hang if the failed one were still counted
+  CHECK(p->accumulator[5] == grad_value(5, 0) + grad_value(5, 0));
 }
 
 TS_TEST_MAIN

@@ -12,6 +12,8 @@ namespace trainstream {
 // acc = grad (overwrite) or acc += grad, grad fp32 or bf16, acc fp32.
 void accumulate_grad(ThreadPool& pool, float* acc, const void* grad, DType grad_dtype,
                      std::size_t numel, bool overwrite);
+// The same on the calling thread alone.
+void accumulate_grad(float* acc, const void* grad, DType grad_dtype, std::size_t numel, bool overwrite);
 
 // Sum of squares, accumulated in double.
 double squared_norm(ThreadPool& pool, const void* data, DType dtype, std::size_t numel);

@@ -4,6 +4,7 @@
 // Python only enqueues work (from autograd hooks) and waits where ordering demands it.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -63,8 +64,11 @@ class OffloadPipeline {
  public:
   // `max_download_bytes`: gradient bytes allowed between hand-over and landing in host memory;
   // a hook that would exceed it waits, so gradients never pile up in device memory.
+  // `device_accumulate`: fold micro-batch gradients into the accumulator with
+  // Transfer::accumulate_download (on the GPU, in the CUDA build) instead of copying them to the
+  // landing buffer and adding them on the host; see land_gradient.
   OffloadPipeline(std::unique_ptr<Transfer> transfer, std::size_t threads, std::optional<Isa> isa,
-                  std::size_t max_download_bytes = std::size_t(512) << 20);
+                  std::size_t max_download_bytes = std::size_t(512) << 20, bool device_accumulate = true);
   ~OffloadPipeline();
   OffloadPipeline(const OffloadPipeline&) = delete;
   OffloadPipeline& operator=(const OffloadPipeline&) = delete;
@@ -78,24 +82,33 @@ class OffloadPipeline {
   void load_weights(HostParam& p, std::uintptr_t device_weight, std::uintptr_t stream);
 
   // Queues the download of a freshly produced gradient (ordered after `producer_stream`) and the
-  // job that consumes it. Blocks while an earlier job still reads the landing buffer, or while
-  // more than max_download_bytes of gradients are still on their way to the host. The first
-  // micro-batch of fp32 gradients lands straight in the accumulator.
+  // job that consumes it. Blocks while an earlier job of this parameter is unfinished (it may read
+  // the landing buffer or the accumulator this download writes), or while more than
+  // max_download_bytes of gradients are still on their way to the host. The first micro-batch of
+  // fp32 gradients lands straight in the accumulator. With device_accumulate, the other
+  // micro-batches are added into the accumulator by the transfer (job.accumulate is done there),
+  // and no job is queued when nothing else is asked: within an accumulation window the hook then
+  // never waits for the previous micro-batch.
   void land_gradient(const std::shared_ptr<HostParam>& p, std::uintptr_t device_grad,
                      std::uintptr_t producer_stream, const GradJob& job);
 
-  // Queues a job on what has already landed or been accumulated (e.g. the update at step()).
+  // Queues a job on what has already landed or been accumulated (e.g. the update at step()); it
+  // runs after every download of this parameter issued so far has landed.
   void submit(const std::shared_ptr<HostParam>& p, const GradJob& job);
 
   // Waits until the parameters' queued jobs have finished, then orders `stream` after their
   // uploads (on the device). This is what a module's forward pre-hook calls.
   void gate(const std::vector<HostParam*>& params, std::uintptr_t stream);
 
-  // Waits for every queued job. Rethrows the first error a job raised.
+  // Waits for every issued download to land and every queued job to finish. Rethrows the first
+  // error a job raised.
   void synchronize();
 
   HostAdamW& engine() { return engine_; }
   Transfer& transfer() { return *transfer_; }
+  bool device_accumulate() const { return device_accumulate_; }
+  // Safe at any time: each gradient takes one path, and either path orders itself after the other.
+  void set_device_accumulate(bool on) { device_accumulate_ = on; }
   std::size_t pending() const;
   std::size_t downloading_bytes() const;
 
@@ -104,10 +117,11 @@ class OffloadPipeline {
     std::shared_ptr<HostParam> param;
     GradJob job;
     std::uint64_t seq;       // this parameter's job number (1-based)
-    std::uint64_t download;  // the download it consumes (0: none)
+    std::uint64_t download;  // runs once this many of the parameter's downloads have landed
     std::uint64_t order;     // enqueue order, across parameters
   };
-  void enqueue(const std::shared_ptr<HostParam>& p, const GradJob& job, std::uint64_t download);
+  static void check_accumulator(const HostParam& p, const GradJob& job);
+  void enqueue(const std::shared_ptr<HostParam>& p, const GradJob& job);
   void wait_idle(HostParam& p, std::unique_lock<std::mutex>& lock);
   bool pick_locked(Task& out);
   void run(Task& task);
@@ -117,6 +131,7 @@ class OffloadPipeline {
   std::unique_ptr<Transfer> transfer_;
   HostAdamW engine_;
   std::size_t max_download_bytes_;
+  std::atomic<bool> device_accumulate_;
 
   mutable std::mutex mutex_;
   std::condition_variable work_ready_;

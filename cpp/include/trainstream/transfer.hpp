@@ -8,6 +8,7 @@
 #include <functional>
 #include <memory>
 
+#include "trainstream/adamw.hpp"  // DType
 #include "trainstream/host_arena.hpp"
 
 namespace trainstream {
@@ -30,7 +31,16 @@ class Transfer {
   // `landed` runs (on a runtime thread, so it must not call CUDA) once the bytes are in host memory.
   virtual void download(TransferSlot& slot, void* host, const void* device, std::size_t bytes,
                         std::uintptr_t producer_stream, std::function<void()> landed) = 0;
-  // Block the calling thread until the slot's last download has landed.
+  // Like download, but instead of copying, fold the device gradient into an fp32 host buffer:
+  // host_acc[i] = float(grad[i]) (overwrite) or host_acc[i] + float(grad[i]), one plain fp32 add
+  // so the result is bit-identical to accumulate_grad on the host. `host_acc` must come from
+  // arena(). CUDA: a kernel on the download stream that reads the gradient in VRAM and the
+  // accumulator through its mapped device address, so each element crosses PCIe once each way
+  // and the host's memory sees 8 B instead of the 16 B of copy-then-add.
+  virtual void accumulate_download(TransferSlot& slot, float* host_acc, const void* device_grad,
+                                   DType grad_dtype, std::size_t numel, bool overwrite,
+                                   std::uintptr_t producer_stream, std::function<void()> landed) = 0;
+  // Block the calling thread until the slot's last download (or accumulate_download) has landed.
   virtual void wait_download(TransferSlot& slot) = 0;
   // Queue a host->device copy on the upload stream and mark the slot's upload point. The host
   // buffer must stay untouched until order_after_upload'ed work has run.
@@ -41,7 +51,8 @@ class Transfer {
   virtual void bind_thread() {}
 };
 
-// CPU mode: "device" memory is host memory; copies are synchronous memcpys.
+// CPU mode: "device" memory is host memory; copies are synchronous memcpys and accumulation a
+// plain loop on the calling thread.
 class HostTransfer : public Transfer {
  public:
   HostTransfer();
@@ -50,6 +61,9 @@ class HostTransfer : public Transfer {
   bool is_device() const override { return false; }
   void download(TransferSlot&, void* host, const void* device, std::size_t bytes, std::uintptr_t,
                 std::function<void()> landed) override;
+  void accumulate_download(TransferSlot&, float* host_acc, const void* device_grad, DType grad_dtype,
+                           std::size_t numel, bool overwrite, std::uintptr_t,
+                           std::function<void()> landed) override;
   void wait_download(TransferSlot&) override {}
   void upload(TransferSlot&, void* device, const void* host, std::size_t bytes) override;
   void order_after_upload(TransferSlot&, std::uintptr_t) override {}

@@ -10,7 +10,8 @@
 
 namespace trainstream {
 
-// Page-locked slabs from cudaHostAlloc: pinned once, reused for the arena's whole life.
+// Page-locked slabs from cudaHostAlloc: pinned once, reused for the arena's whole life, and
+// mapped into the device's address space so that kernels can read and write them.
 class PinnedSlabs : public SlabSource {
  public:
   void* allocate(std::size_t bytes) override;
@@ -28,6 +29,10 @@ class CudaTransfer : public Transfer {
   bool is_device() const override { return true; }
   void download(TransferSlot& slot, void* host, const void* device, std::size_t bytes,
                 std::uintptr_t producer_stream, std::function<void()> landed) override;
+  // The add runs as a kernel on the download stream (cuda/kernels/accumulate.cu).
+  void accumulate_download(TransferSlot& slot, float* host_acc, const void* device_grad, DType grad_dtype,
+                           std::size_t numel, bool overwrite, std::uintptr_t producer_stream,
+                           std::function<void()> landed) override;
   void wait_download(TransferSlot& slot) override;
   void upload(TransferSlot& slot, void* device, const void* host, std::size_t bytes) override;
   void order_after_upload(TransferSlot& slot, std::uintptr_t stream) override;
