@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build, test and benchmark on a CUDA machine in one go; logs and JSON land in $1 (default ./gpu-results).
 #   bash benchmarks/gpu_suite.sh [OUTDIR] [STAGES]
-# STAGES: comma list of build,tests,verify,adamw,step,large,sanitize (default: build,tests,verify,adamw,step)
+# STAGES: comma list of build,tests,verify,adamw,step,paging,large,sanitize (default: build,tests,verify,adamw,step)
 set -uo pipefail
 out="${1:-gpu-results}"
 stages=",${2:-build,tests,verify,adamw,step},"
@@ -38,11 +38,20 @@ if has step; then
       --json "$out/step_acc$acc.json" 2>&1 | tail -7
   done
 fi
-if has large; then  # the largest models under a 24 GB VRAM cap, batch 1x1024
-  python3 "$repo/benchmarks/train_step.py" --hidden 4096 --heads 32 --intermediate 11008 --layers 16 --batch 1 \
-    --no-autocast --vram-cap-gb 24 --steps 2 --warmup 1 --modes trainstream,gpu-adamw --json "$out/large_fp32.json" 2>&1 | tail -6
-  python3 "$repo/benchmarks/train_step.py" --hidden 4096 --heads 32 --intermediate 11008 --layers 29 --batch 1 \
-    --weights bf16 --vram-cap-gb 24 --steps 2 --warmup 1 --modes trainstream,gpu-adamw --json "$out/large_bf16.json" 2>&1 | tail -6
+if has paging; then  # 1B, batch 4x1024: ways to keep activations, on TrainStream
+  python3 "$repo/benchmarks/train_step.py" --steps 5 --vram-budget 6GB \
+    --modes trainstream,trainstream+paged,trainstream+ckpt,trainstream+save_on_cpu,gpu-adamw \
+    --json "$out/paging_1b.json" --plot "$out/paging_1b.png" 2>&1 | tail -16
+fi
+if has large; then  # the largest models under a 24 GB VRAM cap (Llama 4096-wide, 202M params a layer)
+  # fp32 weights, bf16 autocast, batch 1x1024: 20 layers = 4.3B
+  python3 "$repo/benchmarks/train_step.py" --hidden 4096 --heads 32 --intermediate 11008 --layers 20 --batch 1 \
+    --vram-cap-gb 24 --vram-budget 23GB --steps 2 --warmup 2 --modes trainstream+paged,gpu-adamw \
+    --json "$out/large_fp32.json" 2>&1 | tail -9
+  # bf16 weights, batch 4x1024: 24 layers = 5.1B
+  python3 "$repo/benchmarks/train_step.py" --hidden 4096 --heads 32 --intermediate 11008 --layers 24 --batch 4 \
+    --weights bf16 --vram-cap-gb 24 --vram-budget 23GB --steps 2 --warmup 2 --modes trainstream+paged,gpu-adamw \
+    --json "$out/large_bf16.json" 2>&1 | tail -9
 fi
 if has sanitize; then
   for tool in memcheck racecheck; do

@@ -13,6 +13,7 @@ everything (host threads included) has finished. Modes whose package is not inst
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import sys
@@ -59,15 +60,27 @@ def run_mode(mode: str, args) -> dict:
     params = sum(p.numel() for p in model.parameters())
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     sync = lambda: None  # noqa: E731
-    if mode == "gpu-adamw":
+    saving = contextlib.nullcontext  # how forward keeps its activations
+    base, _, variant = mode.partition("+")
+    if variant == "ckpt":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    elif variant == "save_on_cpu":
+        saving = lambda: torch.autograd.graph.save_on_cpu(pin_memory=True)  # noqa: E731
+    elif variant not in ("", "paged", "hostacc"):
+        raise ValueError(f"unknown mode {mode}")
+    if base == "gpu-adamw":
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=True)
-    elif mode == "trainstream":
+    elif base == "trainstream":
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
+        paging = dict(activations=args.activations, vram_budget=args.vram_budget) if variant == "paged" \
+            else dict(activations="off")
         t0 = time.perf_counter()
-        model, opt = trainstream.wrap(model, opt, accumulation_steps=args.acc, max_grad_norm=args.clip)
+        model, opt = trainstream.wrap(model, opt, accumulation_steps=args.acc, max_grad_norm=args.clip, **paging)
         setup_s = time.perf_counter() - t0
         sync = opt.synchronize
-    elif mode == "torchao":
+        if variant == "hostacc":  # the comparison baseline: micro-batches added by host threads
+            opt._pipeline.device_accumulate = False
+    elif base == "torchao":
         from torchao.optim import CPUOffloadOptimizer  # noqa: F401 - skipped when missing
 
         opt = CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-4, weight_decay=0.01)
@@ -80,10 +93,10 @@ def run_mode(mode: str, args) -> dict:
 
     def one_step():
         for _ in range(acc):
-            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=args.autocast):
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=args.autocast), saving():
                 loss = loss_of(model, tokens)
             (loss / acc).backward()
-        if args.clip is not None and mode != "trainstream":
+        if args.clip is not None and base != "trainstream":
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -105,9 +118,11 @@ def run_mode(mode: str, args) -> dict:
         "peak_vram_GB": torch.cuda.max_memory_allocated() / 1e9, "weights_GB": weight_bytes / 1e9,
         "tokens_per_s": args.batch * args.seq * acc / seconds,
     }
-    if mode == "trainstream":
+    if base == "trainstream":
         result["setup_s"] = setup_s
         result["report"] = opt.report()
+        if opt.activation_pager is not None:
+            print(opt.activation_pager.describe(), flush=True)
         opt.remove_hooks()
     return result
 
@@ -131,10 +146,19 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--vram-cap-gb", type=float, default=None,
                     help="cap this process's VRAM (torch.cuda.set_per_process_memory_fraction)")
-    ap.add_argument("--modes", default="gpu-adamw,trainstream,torchao")
+    ap.add_argument("--activations", default="auto",
+                    help="for the trainstream+paged mode: 'auto' or a share in [0, 1]")
+    ap.add_argument("--vram-budget", default=None, help="for trainstream+paged: e.g. 6GB")
+    ap.add_argument("--modes", default="gpu-adamw,trainstream,torchao",
+                    help="comma list of gpu-adamw, trainstream, torchao; a '+ckpt' (gradient "
+                         "checkpointing), '+save_on_cpu' (torch's save_on_cpu) or '+paged' (our "
+                         "activation paging) suffix changes how activations are kept; "
+                         "trainstream+hostacc adds micro-batch gradients on host threads")
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)
     args = ap.parse_args(argv)
+    if args.activations not in ("auto", "off"):
+        args.activations = float(args.activations)
     if not torch.cuda.is_available():
         print("train_step.py needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -152,16 +176,17 @@ def main(argv=None) -> int:
         gc.collect()  # the mode's model, optimizer and pinned memory go before the next one
         torch.cuda.empty_cache()
         print(json.dumps({k: v for k, v in results[-1].items() if k != "report"}), flush=True)
-    base = next((r["step_s"] for r in results if r.get("mode") == "gpu-adamw" and "step_s" in r), None)
+    first = next((r for r in results if "step_s" in r), None)  # ratios are against the first mode that ran
+    base = first["step_s"] if first else None
     print(f"\n{torch.cuda.get_device_name()}  hidden={args.hidden} layers={args.layers} batch={args.batch}x{args.seq} "
           f"acc={args.acc} weights={args.weights} autocast={args.autocast} vram_cap={args.vram_cap_gb}")
-    print(f"{'mode':<14}{'params':>10}{'step s':>9}{'vs gpu':>8}{'peak VRAM GB':>14}{'loss':>8}")
+    print(f"{'mode':<24}{'params':>10}{'step s':>9}{'vs 1st':>8}{'peak VRAM GB':>14}{'loss':>8}")
     for r in results:
         if "step_s" not in r:
-            print(f"{r['mode']:<14}  {r.get('skipped') or r.get('error')}")
+            print(f"{r['mode']:<24}  {r.get('skipped') or r.get('error')}")
             continue
         ratio = f"{r['step_s'] / base:.2f}x" if base else "-"
-        print(f"{r['mode']:<14}{r['params'] / 1e9:>9.2f}B{r['step_s']:>9.3f}{ratio:>8}{r['peak_vram_GB']:>14.2f}{r['loss']:>8.3f}")
+        print(f"{r['mode']:<24}{r['params'] / 1e9:>9.2f}B{r['step_s']:>9.3f}{ratio:>8}{r['peak_vram_GB']:>14.2f}{r['loss']:>8.3f}")
     record = {"args": vars(args), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
               "trainstream": trainstream.__version__, "results": results}
     if args.json:

@@ -24,5 +24,6 @@ T* as_ptr(std::uintptr_t address) {
 void bind_adamw(py::module_& m);
 void bind_pipeline(py::module_& m);
 void bind_cuda(py::module_& m);
+void bind_pager(py::module_& m);
 
 }  // namespace trainstream::bindings

@@ -51,6 +51,7 @@ PYBIND11_MODULE(_C, m) {
 
   bindings::bind_adamw(m);
   bindings::bind_pipeline(m);
+  bindings::bind_pager(m);
 #ifdef TRAINSTREAM_HAS_CUDA
   bindings::bind_cuda(m);
 #endif

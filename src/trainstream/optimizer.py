@@ -47,17 +47,18 @@ class OffloadedAdamW(torch.optim.Optimizer):
 
     def __init__(self, source: torch.optim.Optimizer, model: torch.nn.Module, pipeline, *,
                  device: torch.device, max_grad_norm: float | None, accumulation_steps: int,
-                 track_grad_norm: bool, streams: tuple | None) -> None:
+                 track_grad_norm: bool, streams: tuple | None, activation_pager=None) -> None:
         super().__init__(source.param_groups, source.defaults)
         self.param_groups = source.param_groups  # the very same list: edits show on both sides
         self._pipeline = pipeline
         self._device = device
         self._streams = streams  # (download, upload) torch streams, kept alive here
+        self.activation_pager = activation_pager  # trainstream.activations.ActivationPager or None
         self.max_grad_norm = max_grad_norm
         self.accumulation_steps = accumulation_steps
         self._track_norm = track_grad_norm or max_grad_norm is not None
         self._micro = 0  # backward passes finished in this accumulation window
-        self._in_backward = False
+        self._backward_tasks: set[int] = set()  # autograd graph tasks with our end-callback queued
         self._arrival: list[_Slot] = []  # slots in gradient arrival order, this window
         self._last_grad_norm: float | None = None
         self._norm_slots: list[_Slot] = []  # the window whose norm last_grad_norm reports
@@ -120,9 +121,10 @@ class OffloadedAdamW(torch.optim.Optimizer):
         slot = self._slots[param]
         if grad.is_sparse:
             raise UnsupportedSetupError("sparse gradients are not supported by TrainStream")
-        if not self._in_backward:
-            self._in_backward = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
+        task = torch._C._current_graph_task_id()
+        if task not in self._backward_tasks:
+            self._backward_tasks.add(task)
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: self._on_backward_end(task))
         if self._micro >= self.accumulation_steps:
             raise RuntimeError(
                 f"accumulation_steps={self.accumulation_steps} backward passes have run since the "
@@ -155,9 +157,13 @@ class OffloadedAdamW(torch.optim.Optimizer):
             self._mark_updated(slot)
         self._norm_pending = self._track_norm
 
-    def _on_backward_end(self) -> None:
-        self._in_backward = False
-        self._micro += 1
+    def _on_backward_end(self, task: int) -> None:
+        self._backward_tasks.discard(task)
+        # A reentrant checkpoint runs a nested backward inside a node of the outer one; only the
+        # end of the outermost backward ends a micro-batch.
+        if torch._C._current_autograd_node() is None:
+            self._backward_tasks.clear()
+            self._micro += 1
 
     def _update_args(self, slot: _Slot, grad_scale: float) -> dict:
         group = slot.group
@@ -300,6 +306,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
             "accumulation_steps": self.accumulation_steps,
             "max_grad_norm": self.max_grad_norm,
             "last_grad_norm": self.last_grad_norm,
+            "activations": self.activation_pager.report() if self.activation_pager else "off",
         }
 
     def remove_hooks(self) -> None:
@@ -308,3 +315,5 @@ class OffloadedAdamW(torch.optim.Optimizer):
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        if self.activation_pager is not None:
+            self.activation_pager.remove()

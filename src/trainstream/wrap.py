@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from trainstream._native import _C, require_cuda_build
+from trainstream.activations import ActivationPager, parse_bytes
 from trainstream.errors import UnsupportedSetupError, check_optimizer, check_weight_dtype
 from trainstream.optimizer import OffloadedAdamW
 
@@ -29,6 +30,10 @@ def wrap(
     threads: int = 0,
     isa: str | None = None,
     max_grad_bytes_in_flight: int = 512 << 20,
+    activations: str | float = "auto",
+    vram_budget: int | str | None = None,
+    blocks: list[torch.nn.Module] | None = None,
+    prefetch_depth: int = 1,
 ) -> tuple[torch.nn.Module, OffloadedAdamW]:
     """Move gradients, AdamW state and the AdamW update of `model` to host memory and threads.
 
@@ -47,6 +52,16 @@ def wrap(
         isa: force "avx512", "avx2" or "scalar" (default: $TRAINSTREAM_ISA, else the best).
         max_grad_bytes_in_flight: gradient bytes that may wait in device memory for their copy to
             the host; backward pauses at a hook beyond that, which caps the VRAM gradients take.
+        activations: activation paging. "auto" (default on CUDA): after one profiling step, page
+            the saved activations of as many leading blocks as can be copied behind the forward
+            compute; a float in [0, 1]: page that share of the blocks; "off": no paging (and no
+            saved-tensor hooks at all). With paging on, autocast's bf16 copies of the weights are
+            recomputed in backward instead of kept. Paging is bit-exact.
+        vram_budget: peak VRAM to stay under, in bytes or as a string like "24GB": page as many
+            blocks as that needs, even if their copies cannot all hide behind compute.
+        blocks: the modules to page block by block (default: the largest ModuleList of
+            same-class modules, i.e. the transformer layers).
+        prefetch_depth: blocks prefetched ahead of the one running backward.
 
     Returns:
         (model, optimizer): the same model with hooks attached, and the optimizer to step.
@@ -83,12 +98,15 @@ def wrap(
         if not p.is_contiguous():
             raise UnsupportedSetupError(f"parameter '{names.get(p)}' is not contiguous; call .contiguous() on it before wrapping")
     _check_host_memory(trainable, accumulation_steps)
+    paging, share, budget = _activation_policy(activations, vram_budget, device)
 
     if device.type == "cuda":
         require_cuda_build()
         index = device.index if device.index is not None else torch.cuda.current_device()
         device = torch.device("cuda", index)
-        streams = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+        # Highest priority for the download stream: with accumulation its gradient-adding kernel
+        # must get SMs while backward keeps the GPU busy.
+        streams = (torch.cuda.Stream(device, priority=-100), torch.cuda.Stream(device))
         pipeline = _C.cuda_pipeline(index, streams[0].cuda_stream, streams[1].cuda_stream, threads, isa,
                                     max_grad_bytes_in_flight)
     elif device.type == "cpu":
@@ -97,9 +115,14 @@ def wrap(
     else:
         raise UnsupportedSetupError(f"parameters on {device} are not supported (CUDA or CPU only)")
 
+    pager = None
+    if paging:
+        pager = ActivationPager(model, device=device, share=share, vram_budget=budget, blocks=blocks,
+                                prefetch_depth=prefetch_depth)
     wrapped = OffloadedAdamW(
         optimizer, model, pipeline, device=device, max_grad_norm=max_grad_norm,
         accumulation_steps=int(accumulation_steps), track_grad_norm=track_grad_norm, streams=streams,
+        activation_pager=pager,
     )
     for p in trainable:
         p.grad = None
@@ -118,3 +141,24 @@ def _check_host_memory(params: list[torch.Tensor], accumulation_steps: int) -> N
             f"{available / _GIB:.1f} GiB is available. Free host memory, freeze some parameters, "
             f"or use a machine with more RAM."
         )
+
+
+def _activation_policy(activations, vram_budget, device: torch.device) -> tuple[bool, float | None, int | None]:
+    """(page?, share, budget) for the pager from wrap()'s arguments; share None means "auto"."""
+    budget = None if vram_budget is None else parse_bytes(vram_budget)
+    if isinstance(activations, str) and activations in ("auto", "off"):
+        share = None
+    elif isinstance(activations, (int, float)) and not isinstance(activations, bool) and 0 <= activations <= 1:
+        share = float(activations)
+    else:
+        raise ValueError(f"activations must be 'auto', 'off' or a share in [0, 1], got {activations!r}")
+    if activations == "off":
+        if budget is not None:
+            raise ValueError("vram_budget needs activation paging: drop activations='off'")
+        return False, None, None
+    if device.type != "cuda":
+        if budget is not None:
+            raise UnsupportedSetupError("vram_budget applies to CUDA models only")
+        # nothing to save on the CPU; an explicit share still runs the machinery (tests)
+        return share is not None, share, None
+    return True, share, budget

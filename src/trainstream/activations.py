@@ -1,0 +1,517 @@
+"""Activation paging: saved activations go to host memory during forward, come back before backward.
+
+Saved-tensor hooks see every tensor autograd keeps for backward. Inside the model's repeated
+blocks (transformer layers), large activations are copied to pinned host slots on an offload
+stream and their device memory is released once the copy is done; in backward, when block k
+starts, blocks k-1 ... k-depth are prefetched on a prefetch stream, and each unpack only makes
+the compute stream wait for its own copy (an event, no host synchronisation). Paging is a copy,
+so training is bit-identical with and without it.
+
+Two things are never paged: parameters (and views of them), which stay in VRAM anyway, and
+tensors below ``min_bytes``. The bf16 copies that autocast makes of fp32 weights are not kept
+either: backward recasts them from the weights, which cannot have changed in between because
+TrainStream updates a weight only after its gradient is complete. That alone frees 2 bytes per
+parameter of activation memory under autocast.
+
+Which blocks to page is decided after a profiling step that pages every block but the last and
+measures, per block, the bytes saved and the forward time, plus the copy bandwidth:
+
+* ``"auto"``: page the leading blocks whose copies hide behind the forward compute,
+* a share in [0, 1]: page that share of the pageable blocks,
+* ``vram_budget``: page as many as it takes to keep the peak under the budget, the last block
+  too if need be (the exposed copy time is accepted and reported).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+
+from trainstream._native import _C
+
+_GB = 1e9
+MIN_BYTES = 1 << 20  # smaller saved tensors stay on the device: not worth a copy
+_UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
+          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+
+
+def parse_bytes(value) -> int:
+    """Bytes from an int or a string such as "24GB", "22.5 GiB" or "512MB"."""
+    if isinstance(value, bool):
+        raise TypeError("vram_budget must be a number of bytes or a string like '24GB'")
+    if isinstance(value, (int, float)):
+        if value <= 0:
+            raise ValueError(f"vram_budget must be positive, got {value}")
+        return int(value)
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ValueError(f"cannot read {value!r} as a size: use bytes or a string like '24GB' or '22.5GiB'")
+    size = float(match.group(1)) * _UNITS[match.group(2).lower()]
+    if size <= 0:
+        raise ValueError(f"vram_budget must be positive, got {value!r}")
+    return int(size)
+
+
+def find_blocks(model: torch.nn.Module) -> tuple[str, list[torch.nn.Module]]:
+    """The model's repeated blocks: the ModuleList of same-class modules holding most parameters."""
+    best, best_key = ("", []), (0, 0)
+    for name, module in model.named_modules():
+        if not isinstance(module, torch.nn.ModuleList) or len(module) < 2:
+            continue
+        if len({type(child) for child in module}) != 1:
+            continue
+        key = (sum(p.numel() for p in module.parameters()), len(module))
+        if key > best_key:
+            best, best_key = (name, list(module)), key
+    return best
+
+
+# --------------------------------------------------------------------------------- policy
+@dataclass
+class Profile:
+    """What the profiling step measured."""
+
+    block_bytes: list[int]  # activation bytes eligible for paging, per block
+    block_seconds: list[float]  # forward wall time of each block on the compute stream
+    d2h_bytes_per_s: float
+    h2d_bytes_per_s: float
+    peak_bytes: int | None = None  # peak VRAM of the profiled step (every pageable block paged)
+
+
+@dataclass
+class Plan:
+    paged_blocks: int  # blocks 0 .. paged_blocks-1 are paged
+    pageable_blocks: int
+    reason: str
+    paged_bytes: int = 0
+    copy_seconds: float = 0.0  # one direction, at the measured bandwidth
+    forward_seconds: float = 0.0
+    hidden: bool = True  # the copies fit behind the forward compute
+    expected_peak_bytes: int | None = None
+    budget_met: bool | None = None
+
+
+def plan_paging(profile: Profile, *, share: float | None = None, vram_budget: int | None = None,
+                keep_last: int = 1) -> Plan:
+    """Decide how many leading blocks to page. Pure function of the profile: tested on CPU.
+
+    Leading blocks are paged first: their activations wait longest for backward. "auto" and a
+    share never page the last ``keep_last`` blocks, which backward needs first, so that their
+    copies could not hide; a VRAM budget pages them too when it must, their copy back exposed.
+    """
+    n = len(profile.block_bytes)
+    pageable = max(0, n - keep_last)
+    sizes, times = profile.block_bytes, profile.block_seconds
+    bandwidth = min(profile.d2h_bytes_per_s, profile.h2d_bytes_per_s)
+
+    def hidden(k: int) -> bool:
+        # block i's copy may run while blocks up to i+1 compute: the copy stream may lag one block
+        copied, computed = 0.0, 0.0
+        for i in range(k):
+            copied += sizes[i] / bandwidth
+            computed += times[i] + (times[i + 1] if i + 1 < n else 0.0)
+            if copied > computed:
+                return False
+            computed -= times[i + 1] if i + 1 < n else 0.0
+        return True
+
+    if share is not None:
+        k = min(pageable, round(share * pageable))
+        reason = f"share={share:g} of the {pageable} pageable blocks"
+    else:
+        k = 0
+        while k < pageable and hidden(k + 1):
+            k += 1
+        reason = "auto: every block whose copy hides behind forward compute"
+    expected = None
+    met = None
+    if profile.peak_bytes is not None:
+        def peak(m):  # the profile paged the pageable blocks: add back what stays, drop what goes
+            return profile.peak_bytes + sum(sizes[m:pageable]) - sum(sizes[pageable:m])
+        if vram_budget is not None:
+            need = k  # a budget may page the last blocks too, their copy back exposed
+            while need < n and peak(need) > vram_budget:
+                need += 1
+            if need > k:
+                k = need
+                reason = f"vram_budget={vram_budget / _GB:.2f} GB"
+            met = peak(k) <= vram_budget
+            if not met:
+                reason += " (not met by paging alone: every block is paged)"
+        expected = peak(k)
+    paged_bytes = sum(sizes[:k])
+    return Plan(paged_blocks=k, pageable_blocks=pageable, reason=reason, paged_bytes=paged_bytes,
+                copy_seconds=paged_bytes / bandwidth if bandwidth else 0.0,
+                forward_seconds=sum(times), hidden=k <= pageable and hidden(k), expected_peak_bytes=expected,
+                budget_met=met)
+
+
+# ------------------------------------------------------------------------------- runtime
+class _Recast:
+    """A saved autocast copy of a weight: recomputed from the weight in backward."""
+
+    __slots__ = ("param", "version", "dtype", "size", "stride", "offset")
+
+    def __init__(self, param, t):
+        self.param, self.version, self.dtype = param, param._version, t.dtype
+        self.size, self.stride, self.offset = t.size(), t.stride(), t.storage_offset()
+
+
+class _Stored:
+    """One device storage paged to host (shared by every saved view of it)."""
+
+    __slots__ = ("paged", "nbytes", "block", "generation", "device", "unpacks_left", "__weakref__")
+
+    def __init__(self, paged, nbytes, block, generation):
+        self.paged, self.nbytes, self.block, self.generation = paged, nbytes, block, generation
+        self.device = None  # the restored device storage (uint8), once page_in is queued
+        self.unpacks_left = 0
+
+
+class _Packed:
+    __slots__ = ("stored", "dtype", "size", "stride", "offset")
+
+    def __init__(self, stored, t):
+        self.stored, self.dtype = stored, t.dtype
+        self.size, self.stride, self.offset = t.size(), t.stride(), t.storage_offset()
+
+
+class _Kept:
+    """A tensor left on the device, tagged with its block so that backward can prefetch."""
+
+    __slots__ = ("tensor", "block", "generation")
+
+    def __init__(self, tensor, block, generation):
+        self.tensor, self.block, self.generation = tensor, block, generation
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+@dataclass
+class _StepFigures:
+    paged_bytes: int = 0
+    recast_bytes: int = 0
+    kept_bytes: int = 0  # eligible-size activations left on the device
+    on_demand: int = 0  # unpacks whose copy had not been prefetched
+    block_bytes: list = field(default_factory=list)
+
+
+class ActivationPager:
+    """Pages the saved activations of ``blocks`` (see the module docstring). Built by wrap()."""
+
+    def __init__(self, model: torch.nn.Module, *, device: torch.device, share: float | None,
+                 vram_budget: int | None, blocks: list[torch.nn.Module] | None = None,
+                 blocks_name: str = "", prefetch_depth: int = 1, min_bytes: int | None = None,
+                 keep_last: int = 1) -> None:
+        if blocks is None:
+            blocks_name, blocks = find_blocks(model)
+        self.blocks = list(blocks)
+        self.blocks_name = blocks_name or "blocks"
+        if len(self.blocks) < 2:
+            raise ValueError(
+                "activation paging needs the model's repeated blocks (e.g. its transformer layers), "
+                "but found no ModuleList of two or more modules of one class; pass "
+                "wrap(..., blocks=[...]) or activations='off'")
+        if prefetch_depth < 1:
+            raise ValueError(f"prefetch_depth must be >= 1, got {prefetch_depth}")
+        self.device = device
+        self.share = share
+        self.vram_budget = vram_budget
+        self.depth = prefetch_depth
+        self.min_bytes = MIN_BYTES if min_bytes is None else min_bytes
+        self.keep_last = min(keep_last, len(self.blocks) - 1)
+        self._cuda = device.type == "cuda"
+        if self._cuda:
+            self._streams = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+            self._native = _C.cuda_activation_pager(device.index, self._streams[0].cuda_stream,
+                                                    self._streams[1].cuda_stream)
+        else:
+            self._streams = None
+            self._native = _C.host_activation_pager()
+        self._block_index = {id(b): i for i, b in enumerate(self.blocks)}
+        self._param_ids = {id(p) for p in model.parameters()}
+        self._static_storages = {t.untyped_storage().data_ptr()
+                                 for t in list(model.parameters()) + list(model.buffers())}
+        # share given: decided now; otherwise the first step profiles with every block paged
+        self.plan: Plan | None = None
+        self.profile: Profile | None = None
+        if share is not None and vram_budget is None:
+            pageable = len(self.blocks) - self.keep_last
+            self.plan = plan_paging(Profile([0] * len(self.blocks), [0.0] * len(self.blocks), 1.0, 1.0),
+                                    share=share, keep_last=self.keep_last)
+            self.plan.pageable_blocks = pageable
+        self._paged_upto = self.plan.paged_blocks if self.plan else len(self.blocks) - self.keep_last
+        self._profiling = self.plan is None
+        self._generation = 0
+        self._current: int | None = None
+        self._hooks_ctx = None
+        self._by_storage: dict[int, tuple] = {}
+        self._stored_by_block: list[list[weakref.ref]] = [[] for _ in self.blocks]
+        self._prefetched: set[int] = set()
+        self._figures = _StepFigures()
+        self.last = _StepFigures()  # figures of the last finished forward
+        self._events: list = []
+        self._fresh_plan = False
+        self._timing = False  # this forward is the profiled one
+        self._forwards = 0
+        self._handles = []
+        self._register(model)
+
+    # ----------------------------------------------------------------------- hooks
+    def _register(self, model) -> None:
+        self._handles.append(model.register_forward_pre_hook(self._model_pre))
+        self._handles.append(model.register_forward_hook(self._model_post, always_call=True))
+        for i, block in enumerate(self.blocks):
+            self._handles.append(block.register_forward_pre_hook(self._block_pre(i)))
+            self._handles.append(block.register_forward_hook(self._block_post, always_call=True))
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def _compute_stream(self) -> int:
+        return torch.cuda.current_stream(self.device).cuda_stream if self._cuda else 0
+
+    def _model_pre(self, module, args):
+        if _in_backward() or self._hooks_ctx is not None or not torch.is_grad_enabled():
+            return  # nothing is saved for backward under no_grad
+        if self._profiling and len(self._events) == 2 * len(self.blocks):
+            self._finish_profile()
+        # the first forward runs cold (allocator, kernels' first launches): time the second
+        self._timing = self._cuda and self._profiling and self._forwards > 0
+        self._forwards += 1
+        self._generation += 1
+        self._by_storage = {}
+        self._stored_by_block = [[] for _ in self.blocks]
+        self._prefetched = set()
+        self._figures = _StepFigures(block_bytes=[0] * len(self.blocks))
+        if self._timing or self._fresh_plan:  # the profile's peak, then the plan's
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._fresh_plan = False
+        if self._timing:
+            self._events = []
+        self._hooks_ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._hooks_ctx.__enter__()
+
+    def _model_post(self, module, args, output):
+        if self._hooks_ctx is None or _in_backward():
+            return
+        self._hooks_ctx.__exit__(None, None, None)
+        self._hooks_ctx = None
+        self._current = None
+        self.last = self._figures
+
+    def _block_pre(self, index: int):
+        def hook(module, args):
+            if self._hooks_ctx is None or _in_backward():
+                return  # outside our forward, or a checkpoint recomputing in backward
+            self._current = index
+            # bound the bytes still on their way to the host: their device memory cannot be
+            # reused before the copy is done, so a forward far ahead of the copies would not
+            # lower the peak
+            lagging = index - 2
+            last = self._stored_by_block[lagging][-1]() if lagging >= 0 and self._stored_by_block[lagging] else None
+            if last is not None:
+                self._native.wait_paged_out(last.paged)
+            if self._timing:  # after the wait: time the block's own work
+                self._events.append(self._record())
+        return hook
+
+    def _block_post(self, module, args, output):
+        if self._hooks_ctx is None or _in_backward():
+            return
+        if self._timing:
+            self._events.append(self._record())
+        self._current = None
+        if torch.is_autocast_enabled(self.device.type):
+            torch.clear_autocast_cache()  # its casts of this block's weights are recast in backward
+
+    def _record(self):
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    # ---------------------------------------------------------------- pack / unpack
+    def _pack(self, t: torch.Tensor):
+        if t.device != self.device or t.is_leaf and t.requires_grad:
+            return t
+        base = t._base if t._is_view() else t
+        fn = base.grad_fn
+        if fn is not None and type(fn).__name__ == "ToCopyBackward0":
+            source = fn.next_functions[0][0]
+            param = getattr(source, "variable", None)
+            if param is not None and id(param) in self._param_ids and base.numel() == param.numel():
+                self._figures.recast_bytes += base.numel() * base.element_size()
+                return _Recast(param, t)
+        block = self._current
+        if block is None:
+            return t
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        nbytes = storage.nbytes()
+        view_bytes = t.numel() * t.element_size()
+        if (key in self._static_storages or view_bytes < self.min_bytes or nbytes > 4 * view_bytes
+                or nbytes % t.element_size() or block >= self._paged_upto):
+            if view_bytes >= self.min_bytes and key not in self._static_storages:
+                self._figures.kept_bytes += view_bytes
+                self._figures.block_bytes[block] += view_bytes
+            return _Kept(t, block, self._generation)
+        seen = self._by_storage.get(key)
+        # the same storage if a tensor that holds it is still alive (else the address was reused)
+        stored = seen[1]() if seen is not None and seen[0]() is not None else None
+        if stored is None:
+            paged = self._native.page_out(key, nbytes, self._compute_stream())
+            if self._cuda:  # the offload stream reads it: no reuse before the copy is done
+                t.record_stream(self._streams[0])
+            stored = _Stored(paged, nbytes, block, self._generation)
+            # weak references: a slot goes back to the pool as soon as autograd drops its tensor
+            self._by_storage[key] = (weakref.ref(t), weakref.ref(stored))
+            self._stored_by_block[block].append(weakref.ref(stored))
+            self._figures.paged_bytes += nbytes
+            self._figures.block_bytes[block] += nbytes
+        stored.unpacks_left += 1
+        return _Packed(stored, t)
+
+    def _unpack(self, packed):
+        if isinstance(packed, torch.Tensor):
+            return packed
+        if isinstance(packed, _Kept):
+            self._start_block_backward(packed.block, packed.generation)
+            return packed.tensor
+        if isinstance(packed, _Recast):
+            if packed.param._version != packed.version:
+                raise RuntimeError(
+                    "a weight was modified in place between forward and backward; TrainStream "
+                    "recomputes autocast weight copies in backward and cannot do so now")
+            with torch.no_grad():
+                cast = packed.param.to(packed.dtype)
+            return cast.as_strided(packed.size, packed.stride, packed.offset)
+        stored = packed.stored
+        self._start_block_backward(stored.block, stored.generation)
+        if stored.device is None:
+            self.last.on_demand += 1
+            self._fetch(stored)
+        device = stored.device
+        self._native.order_after_page_in(stored.paged, self._compute_stream())
+        stored.unpacks_left -= 1
+        if stored.unpacks_left <= 0:
+            stored.device = None  # autograd holds what it still needs
+            stored.unpacks_left = 0
+        flat = device.view(packed.dtype)
+        return flat.as_strided(packed.size, packed.stride, packed.offset)
+
+    def _fetch(self, stored: _Stored) -> None:
+        device = torch.empty(stored.nbytes, dtype=torch.uint8, device=self.device)
+        self._native.page_in(stored.paged, device.data_ptr(), self._compute_stream())
+        if self._cuda:  # written on the prefetch stream: no reuse before that copy is done
+            device.record_stream(self._streams[1])
+        stored.device = device
+
+    def _start_block_backward(self, block: int, generation: int) -> None:
+        """Block `block` runs backward: prefetch the blocks that run next."""
+        if generation != self._generation or block in self._prefetched:
+            return
+        self._prefetched.add(block)
+        for j in range(block - 1, max(-1, block - 1 - self.depth), -1):
+            for ref in self._stored_by_block[j]:
+                stored = ref()
+                if stored is not None and stored.device is None and stored.unpacks_left > 0:
+                    self._fetch(stored)
+
+    # -------------------------------------------------------------------- profiling
+    def _finish_profile(self) -> None:
+        """After the profiled step: turn its events and byte counts into a plan."""
+        events = self._events  # a (start, end) pair per block
+        events[-1].synchronize()
+        times = [events[2 * i].elapsed_time(events[2 * i + 1]) / 1e3 for i in range(len(self.blocks))]
+        d2h, h2d = measure_copy_bandwidth(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        self.profile = Profile(list(self.last.block_bytes), times, d2h, h2d, peak)
+        self.plan = plan_paging(self.profile, share=self.share, vram_budget=self.vram_budget,
+                                keep_last=self.keep_last)
+        self._paged_upto = self.plan.paged_blocks
+        self._profiling = False
+        self._fresh_plan = True
+        self._events = []
+
+    def observed_peak_bytes(self) -> int | None:
+        if not self._cuda:
+            return None
+        return torch.cuda.max_memory_allocated(self.device)
+
+    def report(self) -> dict:
+        plan = self.plan
+        stats = self._native.stats()
+        figures = self.last
+        out = {
+            "blocks": f"{self.blocks_name} x{len(self.blocks)}",
+            "state": "profiling" if self._profiling else "paging",
+            "paged_blocks": plan.paged_blocks if plan else len(self.blocks) - self.keep_last,
+            "pageable_blocks": len(self.blocks) - self.keep_last,
+            "decision": plan.reason if plan else "profiling: every pageable block paged",
+            "paged_bytes_per_step": figures.paged_bytes,
+            "recast_bytes_per_step": figures.recast_bytes,
+            "kept_bytes_per_step": figures.kept_bytes,
+            "on_demand_fetches": figures.on_demand,
+            "prefetch_depth": self.depth,
+            "host_memory_kind": self._native.memory_kind,
+            "host_slots": stats["slots"],
+            "host_bytes_reserved": stats["reserved_bytes"],
+        }
+        if self.profile is not None and plan is not None:
+            out.update({
+                "d2h_GBps": self.profile.d2h_bytes_per_s / _GB,
+                "h2d_GBps": self.profile.h2d_bytes_per_s / _GB,
+                "copy_s_per_step": plan.copy_seconds,
+                "forward_s": plan.forward_seconds,
+                "copy_hidden": plan.hidden,
+                "expected_peak_GB": plan.expected_peak_bytes / _GB if plan.expected_peak_bytes else None,
+                "budget_met": plan.budget_met,
+            })
+        peak = self.observed_peak_bytes()
+        if peak is not None:
+            out["observed_peak_GB"] = peak / _GB
+        return out
+
+    def describe(self) -> str:
+        """The report as a few readable lines."""
+        r = self.report()
+        lines = [f"activation paging over {r['blocks']}: {r['paged_blocks']} paged ({r['decision']})",
+                 (f"  per step: {r['paged_bytes_per_step'] / _GB:.2f} GB paged, "
+                  f"{r['recast_bytes_per_step'] / _GB:.2f} GB of weight casts recomputed, "
+                  f"{r['kept_bytes_per_step'] / _GB:.2f} GB kept on the device, "
+                  f"{r['on_demand_fetches']} unpacks not prefetched")]
+        if "copy_s_per_step" in r:
+            lines.append(f"  copies {r['copy_s_per_step'] * 1e3:.1f} ms each way at {r['d2h_GBps']:.1f}/"
+                         f"{r['h2d_GBps']:.1f} GB/s vs forward {r['forward_s'] * 1e3:.1f} ms: "
+                         f"{'hidden' if r['copy_hidden'] else 'partly exposed'}")
+        if r.get("expected_peak_GB") is not None:
+            lines.append(f"  peak VRAM expected {r['expected_peak_GB']:.2f} GB, observed "
+                         f"{r.get('observed_peak_GB', float('nan')):.2f} GB")
+        lines.append(f"  host: {r['host_slots']} {r['host_memory_kind']} slots, "
+                     f"{r['host_bytes_reserved'] / _GB:.2f} GB reserved")
+        return "\n".join(lines)
+
+
+def measure_copy_bandwidth(device: torch.device, nbytes: int = 64 << 20) -> tuple[float, float]:
+    """Pinned device->host and host->device bandwidth in bytes/s (best of three)."""
+    if device.type != "cuda":
+        return float("inf"), float("inf")
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    best = [float("inf"), float("inf")]
+    for _ in range(3):
+        for k, (dst, src) in enumerate(((host, dev), (dev, host))):
+            torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            dst.copy_(src, non_blocking=True)
+            torch.cuda.synchronize(device)
+            best[k] = min(best[k], time.perf_counter() - t0)
+    return nbytes / best[0], nbytes / best[1]

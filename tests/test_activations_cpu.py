@@ -1,0 +1,238 @@
+"""Activation paging on the CPU: block detection, the policy, and the pager's bookkeeping (views,
+tensors saved twice, prefetch order, checkpointing, autocast casts) with host copies standing in
+for PCIe. Results must be bit-identical with and without paging."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import TinyLM
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import trainstream
+from trainstream import activations
+from trainstream.activations import Profile, find_blocks, parse_bytes, plan_paging
+
+
+@pytest.fixture(autouse=True)
+def page_small_tensors(monkeypatch):
+    monkeypatch.setattr(activations, "MIN_BYTES", 1024)  # the test models' activations are small
+
+
+def test_find_blocks_picks_the_layer_stack():
+    name, blocks = find_blocks(TinyLM(layers=3))
+    assert name == "blocks" and len(blocks) == 3
+
+    class Mixed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.small = nn.ModuleList(nn.Linear(2, 2) for _ in range(5))
+            self.big = nn.ModuleList(nn.Linear(64, 64) for _ in range(3))
+            self.mixed = nn.ModuleList([nn.Linear(99, 99), nn.ReLU()])
+
+    name, blocks = find_blocks(Mixed())
+    assert name == "big" and len(blocks) == 3
+    assert find_blocks(nn.Linear(3, 3)) == ("", [])
+
+
+def test_wrap_without_blocks_says_what_to_do():
+    model = nn.Sequential(nn.Linear(8, 8))
+    with pytest.raises(ValueError, match="blocks="):
+        trainstream.wrap(model, torch.optim.AdamW(model.parameters()), activations=1.0)
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("24GB", 24_000_000_000), ("22.5 GiB", int(22.5 * 2**30)), ("512mb", 512_000_000), (1 << 30, 1 << 30),
+])
+def test_parse_bytes(text, expected):
+    assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["24 parsecs", "", "-3GB", 0, True])
+def test_parse_bytes_refuses(bad):
+    with pytest.raises((ValueError, TypeError)):
+        parse_bytes(bad)
+
+
+@pytest.mark.parametrize("kwargs,error", [
+    (dict(activations="sometimes"), ValueError),
+    (dict(activations=1.5), ValueError),
+    (dict(activations="off", vram_budget="10GB"), ValueError),
+    (dict(vram_budget="10GB"), trainstream.UnsupportedSetupError),  # a CPU model
+])
+def test_wrap_refuses_bad_activation_options(kwargs, error):
+    model = TinyLM()
+    with pytest.raises(error):
+        trainstream.wrap(model, torch.optim.AdamW(model.parameters()), **kwargs)
+
+
+def profile(n=8, block_gb=1.0, block_ms=20.0, bw_gbps=50.0, peak_gb=None):
+    return Profile([int(block_gb * 1e9)] * n, [block_ms / 1e3] * n, bw_gbps * 1e9, bw_gbps * 1e9,
+                   None if peak_gb is None else int(peak_gb * 1e9))
+
+
+def test_policy_auto_pages_what_hides():
+    # 1 GB at 50 GB/s is 20 ms: exactly one block's compute, so every pageable block hides
+    plan = plan_paging(profile(block_ms=20.0))
+    assert plan.paged_blocks == 7 and plan.hidden and plan.pageable_blocks == 7
+    # at 10 ms per block a copy takes two blocks' time: the backlog grows, only a prefix hides
+    plan = plan_paging(profile(block_ms=10.0))
+    assert 0 < plan.paged_blocks < 7 and plan.hidden
+    assert not plan_paging(profile(block_ms=10.0), share=1.0).hidden
+    assert plan_paging(profile(block_ms=1.0)).paged_blocks == 0
+
+
+def test_policy_share_and_keep_last():
+    assert plan_paging(profile(), share=0.0).paged_blocks == 0
+    assert plan_paging(profile(), share=0.5).paged_blocks == 4  # of 7 pageable
+    assert plan_paging(profile(), share=1.0).paged_blocks == 7
+    assert plan_paging(profile(), share=1.0, keep_last=3).paged_blocks == 5
+
+
+def test_policy_budget_pages_until_it_fits():
+    # profiled with 7 blocks paged: peak 10 GB; each block left on the device adds 1 GB
+    plan = plan_paging(profile(block_ms=1.0, peak_gb=10.0), vram_budget=int(13.5e9))
+    assert plan.paged_blocks == 4 and plan.budget_met
+    assert plan.expected_peak_bytes == int(13e9)
+    assert not plan.hidden  # the copies are exposed, and the plan says so
+    # the last block too, if the budget needs it (its copy back cannot hide)
+    plan = plan_paging(profile(block_ms=1.0, peak_gb=10.0), vram_budget=int(9e9))
+    assert plan.paged_blocks == 8 and plan.budget_met and not plan.hidden
+    plan = plan_paging(profile(block_ms=1.0, peak_gb=10.0), vram_budget=int(8e9))
+    assert plan.paged_blocks == 8 and plan.budget_met is False
+    # a budget never pages less than auto would
+    assert plan_paging(profile(block_ms=20.0, peak_gb=10.0), vram_budget=int(100e9)).paged_blocks == 7
+
+
+# ------------------------------------------------------------------- bit-exact paging
+class ViewBlock(nn.Module):
+    """Saves views, one storage twice, a transposed weight and a chunked activation."""
+
+    def __init__(self, dim):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(dim, 2 * dim) / dim**0.5)
+        self.v = nn.Parameter(torch.randn(dim, dim) / dim**0.5)
+
+    def forward(self, x):
+        h = x @ self.w  # saves x and the weight
+        a, b = h.chunk(2, dim=-1)  # two views of h's storage
+        s = torch.sigmoid(a)  # saves s
+        y = s * b  # saves s again and b, a view of h
+        u = y @ self.v.t()  # saves y and a view of a weight
+        z = y.t() @ torch.ones_like(y[:, 0])  # saves a transposed view of y (and a tiny tensor)
+        return x + u * y + z.mean()  # saves u and y again
+
+
+class ViewNet(nn.Module):
+    def __init__(self, dim=48, layers=4, ckpt=None):
+        super().__init__()
+        self.layers = nn.ModuleList(ViewBlock(dim) for _ in range(layers))
+        self.ckpt = ckpt
+
+    def forward(self, x):
+        if self.ckpt == "reentrant":
+            x = x.requires_grad_()  # reentrant checkpoint needs an input that requires grad
+        for layer in self.layers:
+            if self.ckpt is None:
+                x = layer(x)
+            else:
+                x = checkpoint(layer, x, use_reentrant=self.ckpt == "reentrant")
+        return x.square().mean()
+
+
+def run(model_fn, steps=4, **wrap_kwargs):
+    torch.manual_seed(0)
+    model = model_fn()
+    model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2), **wrap_kwargs)
+    g = torch.Generator().manual_seed(3)
+    losses = []
+    for _ in range(steps):
+        x = torch.randn(64, 48, generator=g)
+        loss = model(x)
+        loss.backward()
+        losses.append(loss.detach().clone())
+        opt.step()
+        opt.zero_grad()
+    opt.synchronize()
+    return model, opt, losses
+
+
+@pytest.mark.parametrize("ckpt", [None, "reentrant", "non-reentrant"])
+def test_paging_is_bit_exact_with_views_and_checkpointing(ckpt):
+    ref, _, ref_losses = run(lambda: ViewNet(ckpt=ckpt), activations="off")
+    model, opt, losses = run(lambda: ViewNet(ckpt=ckpt), activations=1.0)
+    for a, b in zip(ref_losses, losses):
+        assert torch.equal(a, b)
+    for p, q in zip(ref.parameters(), model.parameters()):
+        assert torch.equal(p, q)
+    report = opt.report()["activations"]
+    assert report["paged_blocks"] == 3 and report["pageable_blocks"] == 3
+    if ckpt is None:
+        assert report["paged_bytes_per_step"] > 0
+        assert report["on_demand_fetches"] == 0  # every block was prefetched before its backward
+    else:  # checkpointed blocks keep only their inputs, and checkpoint handles those
+        assert report["paged_bytes_per_step"] == 0
+
+
+def test_storage_saved_twice_is_paged_once():
+    model = ViewNet(layers=2)
+    model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters()), activations=1.0)
+    x = torch.randn(64, 48)
+    model(x).backward()
+    # block 0 pages the storages of x, h (through b), s, y (saved three times) and u, once each
+    paged = opt.report()["activations"]["paged_bytes_per_step"]
+    assert paged == 4 * 64 * (48 + 96 + 48 + 48 + 48)
+    opt.step()
+
+
+def test_slots_are_reused_every_step():
+    model = ViewNet()
+    model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters()), activations=1.0)
+    native = opt.activation_pager._native
+    seen = []
+    for _ in range(6):
+        model(torch.randn(64, 48)).backward()
+        opt.step()
+        seen.append(native.stats())
+    assert seen[0]["slots"] > 0
+    assert all(s["slots"] == seen[0]["slots"] for s in seen)
+    assert all(s["reserved_bytes"] == seen[0]["reserved_bytes"] for s in seen)
+    assert all(s["in_use_bytes"] == 0 for s in seen)  # backward gave every slot back
+    assert seen[-1]["paged_in_bytes"] == seen[-1]["paged_out_bytes"] > 0
+
+
+def test_no_paging_outside_blocks_or_under_no_grad():
+    model = ViewNet(layers=3)
+    model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters()), activations=1.0)
+    with torch.no_grad():
+        model(torch.randn(64, 48))
+    assert opt.activation_pager._native.stats()["paged_out_bytes"] == 0
+
+
+def test_autocast_weight_casts_are_recomputed_bit_exactly():
+    def tiny():
+        torch.manual_seed(0)
+        return TinyLM(dim=64, layers=3)
+
+    def train(**kw):
+        model = tiny()
+        model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3), **kw)
+        g = torch.Generator().manual_seed(5)
+        losses = []
+        for _ in range(3):
+            tokens = torch.randint(0, 97, (4, 17), generator=g)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model.loss(tokens)
+            loss.backward()
+            losses.append(loss.detach())
+            opt.step()
+            opt.zero_grad()
+        opt.synchronize()
+        return model, opt, losses
+
+    ref, _, ref_losses = train(activations="off")
+    model, opt, losses = train(activations=0.5)
+    assert all(torch.equal(a, b) for a, b in zip(ref_losses, losses))
+    assert all(torch.equal(p, q) for p, q in zip(ref.parameters(), model.parameters()))
+    assert opt.report()["activations"]["recast_bytes_per_step"] > 0
