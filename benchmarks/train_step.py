@@ -66,14 +66,14 @@ def run_mode(mode: str, args) -> dict:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     elif variant == "save_on_cpu":
         saving = lambda: torch.autograd.graph.save_on_cpu(pin_memory=True)  # noqa: E731
-    elif variant not in ("", "paged", "hostacc"):
+    elif variant not in ("", "paged", "auto", "hostacc"):
         raise ValueError(f"unknown mode {mode}")
     if base == "gpu-adamw":
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=True)
     elif base == "trainstream":
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
-        paging = dict(activations=args.activations, vram_budget=args.vram_budget) if variant == "paged" \
-            else dict(activations="off")
+        paging = {"paged": {"activations": args.activations, "vram_budget": args.vram_budget},
+                  "auto": {"activations": "auto"}}.get(variant, {"activations": "off"})
         t0 = time.perf_counter()
         model, opt = trainstream.wrap(model, opt, accumulation_steps=args.acc, max_grad_norm=args.clip, **paging)
         setup_s = time.perf_counter() - t0
@@ -151,8 +151,9 @@ def main(argv=None) -> int:
     ap.add_argument("--vram-budget", default=None, help="for trainstream+paged: e.g. 6GB")
     ap.add_argument("--modes", default="gpu-adamw,trainstream,torchao",
                     help="comma list of gpu-adamw, trainstream, torchao; a '+ckpt' (gradient "
-                         "checkpointing), '+save_on_cpu' (torch's save_on_cpu) or '+paged' (our "
-                         "activation paging) suffix changes how activations are kept; "
+                         "checkpointing), '+save_on_cpu' (torch's save_on_cpu), '+paged' (our "
+                         "activation paging with --activations/--vram-budget) or '+auto' (our "
+                         "paging, automatic) suffix changes how activations are kept; "
                          "trainstream+hostacc adds micro-batch gradients on host threads")
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)
@@ -203,12 +204,13 @@ def plot(results, path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    done = [r for r in results if "step_s" in r]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.5))
-    a.bar([r["mode"] for r in done], [r["step_s"] for r in done], color="#4472c4")
-    a.set_ylabel("seconds per step")
-    b.bar([r["mode"] for r in done], [r["peak_vram_GB"] for r in done], color="#ed7d31")
-    b.set_ylabel("peak VRAM (GB)")
+    done = [r for r in results if "step_s" in r][::-1]  # first mode on top
+    names = [r["mode"] for r in done]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 0.45 * len(done) + 1.2), sharey=True)
+    a.barh(names, [r["step_s"] for r in done], color="#4472c4")
+    a.set_xlabel("seconds per step")
+    b.barh(names, [r["peak_vram_GB"] for r in done], color="#ed7d31")
+    b.set_xlabel("peak VRAM (GB)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

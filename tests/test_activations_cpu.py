@@ -42,6 +42,16 @@ def test_wrap_without_blocks_says_what_to_do():
         trainstream.wrap(model, torch.optim.AdamW(model.parameters()), activations=1.0)
 
 
+def test_pager_without_blocks_only_recasts():
+    from trainstream.activations import ActivationPager
+
+    model = nn.Sequential(nn.Linear(8, 8))
+    pager = ActivationPager(model, device=torch.device("cpu"), share=None, vram_budget=None)
+    assert pager.report()["paged_blocks"] == 0 and "no repeated blocks" in pager.describe()
+    model(torch.randn(2, 8)).sum().backward()
+    assert pager.report()["paged_bytes_per_step"] == 0
+
+
 @pytest.mark.parametrize("text,expected", [
     ("24GB", 24_000_000_000), ("22.5 GiB", int(22.5 * 2**30)), ("512mb", 512_000_000), (1 << 30, 1 << 30),
 ])

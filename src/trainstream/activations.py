@@ -214,10 +214,12 @@ class ActivationPager:
         self.blocks = list(blocks)
         self.blocks_name = blocks_name or "blocks"
         if len(self.blocks) < 2:
-            raise ValueError(
-                "activation paging needs the model's repeated blocks (e.g. its transformer layers), "
-                "but found no ModuleList of two or more modules of one class; pass "
-                "wrap(..., blocks=[...]) or activations='off'")
+            if share is not None or vram_budget is not None:
+                raise ValueError(
+                    "activation paging needs the model's repeated blocks (e.g. its transformer layers), "
+                    "but found no ModuleList of two or more modules of one class; pass "
+                    "wrap(..., blocks=[...]) or activations='off'")
+            self.blocks = []  # "auto" without blocks: only the weight casts are recomputed
         if prefetch_depth < 1:
             raise ValueError(f"prefetch_depth must be >= 1, got {prefetch_depth}")
         self.device = device
@@ -225,7 +227,7 @@ class ActivationPager:
         self.vram_budget = vram_budget
         self.depth = prefetch_depth
         self.min_bytes = MIN_BYTES if min_bytes is None else min_bytes
-        self.keep_last = min(keep_last, len(self.blocks) - 1)
+        self.keep_last = max(0, min(keep_last, len(self.blocks) - 1))
         self._cuda = device.type == "cuda"
         if self._cuda:
             self._streams = (torch.cuda.Stream(device), torch.cuda.Stream(device))
@@ -241,7 +243,9 @@ class ActivationPager:
         # share given: decided now; otherwise the first step profiles with every block paged
         self.plan: Plan | None = None
         self.profile: Profile | None = None
-        if share is not None and vram_budget is None:
+        if not self.blocks:
+            self.plan = Plan(0, 0, "no repeated blocks found: only autocast weight copies are recomputed")
+        elif share is not None and vram_budget is None:
             pageable = len(self.blocks) - self.keep_last
             self.plan = plan_paging(Profile([0] * len(self.blocks), [0.0] * len(self.blocks), 1.0, 1.0),
                                     share=share, keep_last=self.keep_last)
