@@ -40,7 +40,7 @@ if has step; then
 fi
 if has paging; then  # 1B, batch 4x1024: ways to keep activations, on TrainStream
   python3 "$repo/benchmarks/train_step.py" --steps 5 --vram-budget 6GB \
-    --modes trainstream,trainstream+paged,trainstream+ckpt,trainstream+save_on_cpu,gpu-adamw \
+    --modes trainstream,trainstream+auto,trainstream+paged,trainstream+ckpt,trainstream+save_on_cpu,gpu-adamw \
     --json "$out/paging_1b.json" --plot "$out/paging_1b.png" 2>&1 | tail -16
 fi
 if has large; then  # the largest models under a 24 GB VRAM cap (Llama 4096-wide, 202M params a layer)
