@@ -236,7 +236,6 @@ class ActivationPager:
         else:
             self._streams = None
             self._native = _C.host_activation_pager()
-        self._block_index = {id(b): i for i, b in enumerate(self.blocks)}
         self._param_ids = {id(p) for p in model.parameters()}
         self._static_storages = {t.untyped_storage().data_ptr()
                                  for t in list(model.parameters()) + list(model.buffers())}
@@ -245,11 +244,9 @@ class ActivationPager:
         self.profile: Profile | None = None
         if not self.blocks:
             self.plan = Plan(0, 0, "no repeated blocks found: only autocast weight copies are recomputed")
-        elif share is not None and vram_budget is None:
-            pageable = len(self.blocks) - self.keep_last
-            self.plan = plan_paging(Profile([0] * len(self.blocks), [0.0] * len(self.blocks), 1.0, 1.0),
-                                    share=share, keep_last=self.keep_last)
-            self.plan.pageable_blocks = pageable
+        elif share is not None and vram_budget is None:  # nothing to measure for a share
+            n = len(self.blocks)
+            self.plan = plan_paging(Profile([0] * n, [0.0] * n, 1.0, 1.0), share=share, keep_last=self.keep_last)
         self._paged_upto = self.plan.paged_blocks if self.plan else len(self.blocks) - self.keep_last
         self._profiling = self.plan is None
         self._generation = 0
