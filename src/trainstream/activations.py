@@ -25,7 +25,6 @@ measures, per block, the bytes saved and the forward time, plus the copy bandwid
 from __future__ import annotations
 
 import re
-import time
 import weakref
 from dataclasses import dataclass, field
 
@@ -113,10 +112,9 @@ def plan_paging(profile: Profile, *, share: float | None = None, vram_budget: in
         copied, computed = 0.0, 0.0
         for i in range(k):
             copied += sizes[i] / bandwidth
-            computed += times[i] + (times[i + 1] if i + 1 < n else 0.0)
-            if copied > computed:
+            computed += times[i]
+            if copied > computed + (times[i + 1] if i + 1 < n else 0.0):
                 return False
-            computed -= times[i + 1] if i + 1 < n else 0.0
         return True
 
     if share is not None:
@@ -151,14 +149,26 @@ def plan_paging(profile: Profile, *, share: float | None = None, vram_budget: in
 
 
 # ------------------------------------------------------------------------------- runtime
-class _Recast:
+class _Layout:
+    """Where a saved tensor sits in its storage, so that unpack rebuilds the same view."""
+
+    __slots__ = ("dtype", "size", "stride", "offset")
+
+    def __init__(self, t):
+        self.dtype, self.size, self.stride, self.offset = t.dtype, t.size(), t.stride(), t.storage_offset()
+
+    def view_of(self, flat: torch.Tensor) -> torch.Tensor:
+        return flat.as_strided(self.size, self.stride, self.offset)
+
+
+class _Recast(_Layout):
     """A saved autocast copy of a weight: recomputed from the weight in backward."""
 
-    __slots__ = ("param", "version", "dtype", "size", "stride", "offset")
+    __slots__ = ("param", "version")
 
     def __init__(self, param, t):
-        self.param, self.version, self.dtype = param, param._version, t.dtype
-        self.size, self.stride, self.offset = t.size(), t.stride(), t.storage_offset()
+        super().__init__(t)
+        self.param, self.version = param, param._version
 
 
 class _Stored:
@@ -172,12 +182,14 @@ class _Stored:
         self.unpacks_left = 0
 
 
-class _Packed:
-    __slots__ = ("stored", "dtype", "size", "stride", "offset")
+class _Packed(_Layout):
+    """A saved tensor whose storage was paged (a view of `stored`)."""
+
+    __slots__ = ("stored",)
 
     def __init__(self, stored, t):
-        self.stored, self.dtype = stored, t.dtype
-        self.size, self.stride, self.offset = t.size(), t.stride(), t.storage_offset()
+        super().__init__(t)
+        self.stored = stored
 
 
 class _Kept:
@@ -392,8 +404,7 @@ class ActivationPager:
                     "a weight was modified in place between forward and backward; TrainStream "
                     "recomputes autocast weight copies in backward and cannot do so now")
             with torch.no_grad():
-                cast = packed.param.to(packed.dtype)
-            return cast.as_strided(packed.size, packed.stride, packed.offset)
+                return packed.view_of(packed.param.to(packed.dtype))
         stored = packed.stored
         self._start_block_backward(stored.block, stored.generation)
         if stored.device is None:
@@ -405,8 +416,7 @@ class ActivationPager:
         if stored.unpacks_left <= 0:
             stored.device = None  # autograd holds what it still needs
             stored.unpacks_left = 0
-        flat = device.view(packed.dtype)
-        return flat.as_strided(packed.size, packed.stride, packed.offset)
+        return packed.view_of(device.view(packed.dtype))
 
     def _fetch(self, stored: _Stored) -> None:
         device = torch.empty(stored.nbytes, dtype=torch.uint8, device=self.device)
@@ -501,18 +511,22 @@ class ActivationPager:
         return "\n".join(lines)
 
 
-def measure_copy_bandwidth(device: torch.device, nbytes: int = 64 << 20) -> tuple[float, float]:
-    """Pinned device->host and host->device bandwidth in bytes/s (best of three)."""
+def measure_copy_bandwidth(device: torch.device, nbytes: int = 64 << 20, repeats: int = 3) -> tuple[float, float]:
+    """Pinned device->host and host->device bandwidth in bytes/s, best of `repeats` (CUDA events)."""
     if device.type != "cuda":
         return float("inf"), float("inf")
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    best = [float("inf"), float("inf")]
-    for _ in range(3):
-        for k, (dst, src) in enumerate(((host, dev), (dev, host))):
-            torch.cuda.synchronize(device)
-            t0 = time.perf_counter()
-            dst.copy_(src, non_blocking=True)
-            torch.cuda.synchronize(device)
-            best[k] = min(best[k], time.perf_counter() - t0)
-    return nbytes / best[0], nbytes / best[1]
+    rates = []
+    with torch.cuda.device(device):
+        for dst, src in ((host, dev), (dev, host)):
+            seconds = float("inf")
+            for _ in range(repeats):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                dst.copy_(src, non_blocking=True)
+                end.record()
+                end.synchronize()
+                seconds = min(seconds, start.elapsed_time(end) / 1e3)
+            rates.append(nbytes / seconds)
+    return rates[0], rates[1]

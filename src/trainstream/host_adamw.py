@@ -11,7 +11,7 @@ import torch
 
 from trainstream._native import _C
 
-_GRAD_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}  # as the native core names them
 
 
 def _check_host(name: str, t: torch.Tensor, dtypes: tuple[torch.dtype, ...], numel: int) -> None:
@@ -75,7 +75,7 @@ class HostAdamW:
         _check_host("param", param, (torch.float32,), n)
         if n == 0:
             raise ValueError("param is empty (0 elements): nothing to update")
-        _check_host("grad", grad, tuple(_GRAD_DTYPES), n)
+        _check_host("grad", grad, tuple(DTYPE_NAMES), n)
         _check_host("exp_avg", exp_avg, (torch.float32,), n)
         _check_host("exp_avg_sq", exp_avg_sq, (torch.float32,), n)
         out = 0
@@ -83,7 +83,7 @@ class HostAdamW:
             _check_host("param_bf16", param_bf16, (torch.bfloat16,), n)
             out = param_bf16.data_ptr()
         self._engine.step(
-            param.data_ptr(), grad.data_ptr(), _GRAD_DTYPES[grad.dtype],
+            param.data_ptr(), grad.data_ptr(), DTYPE_NAMES[grad.dtype],
             exp_avg.data_ptr(), exp_avg_sq.data_ptr(), n,
             lr=float(lr), beta1=float(betas[0]), beta2=float(betas[1]), eps=float(eps),
             weight_decay=float(weight_decay), step=int(step), grad_scale=float(grad_scale),

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 import torch
 
 from trainstream.errors import GRAD_SCALER_MESSAGE, UnsupportedSetupError, check_autocast
+from trainstream.host_adamw import DTYPE_NAMES
 
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 _CLIP_EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_
 
 
@@ -75,7 +75,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
                 if not p.requires_grad or p in self._slots:
                     continue
                 # registration order stands in for forward order (embeddings, layers, head)
-                host = self._pipeline.add_param(p.numel(), _DTYPE_NAMES[p.dtype], accumulate,
+                host = self._pipeline.add_param(p.numel(), DTYPE_NAMES[p.dtype], accumulate,
                                                 len(self._slots))
                 self._pipeline.load_weights(host, p.data_ptr(), self._current_stream())
                 slot = _Slot(p, host, group, p._version)
