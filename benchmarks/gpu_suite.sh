@@ -34,8 +34,9 @@ fi
 if has step; then
   for acc in 1 8 32; do
     steps=$(( acc == 32 ? 3 : 5 ))
-    python3 "$repo/benchmarks/train_step.py" --acc "$acc" --steps "$steps" --modes gpu-adamw,trainstream,torchao \
-      --json "$out/step_acc$acc.json" 2>&1 | tail -7
+    modes=gpu-adamw,trainstream$([ "$acc" -gt 1 ] && echo ,trainstream+vramacc),torchao,deepspeed  # peers if installed
+    python3 "$repo/benchmarks/train_step.py" --acc "$acc" --steps "$steps" --modes "$modes" \
+      --json "$out/step_acc$acc.json" 2>&1 | tail -10
   done
 fi
 if has paging; then  # 1B, batch 4x1024: ways to keep activations, on TrainStream

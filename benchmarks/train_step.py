@@ -8,6 +8,10 @@ transformers is installed, else a small built-in equivalent). Step time is the w
 --steps consecutive optimizer steps after --warmup steps, divided by --steps, measured only once
 everything (host threads included) has finished. Modes whose package is not installed
 (torchao, deepspeed) are reported as skipped.
+
+Peers: torchao's CPUOffloadOptimizer around torch's AdamW, and DeepSpeed ZeRO stage 2 with the
+optimizer offloaded to the host (its CPU AdamW, fp32 master weights in pinned memory), set up for
+one process on one GPU with the same batch, accumulation, clipping and bf16 handling.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ import argparse
 import contextlib
 import gc
 import json
+import os
+import socket
 import sys
 import time
 
@@ -42,9 +48,33 @@ def build_model(args) -> torch.nn.Module:
 
 
 def loss_of(model, tokens):
-    if hasattr(model, "config"):  # a transformers model
+    if hasattr(getattr(model, "module", model), "config"):  # a transformers model, bare or in an engine
         return model(input_ids=tokens, labels=tokens).loss
     return model.loss(tokens)
+
+
+def deepspeed_engine(model, args):
+    """DeepSpeed ZeRO-2, optimizer offloaded to the host, configured like the other modes."""
+    import deepspeed  # skipped when missing
+
+    if not torch.distributed.is_initialized():  # one process on one GPU; kept for later deepspeed modes
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        torch.distributed.init_process_group("nccl", device_id=torch.device("cuda", 0))
+    config = {
+        "train_micro_batch_size_per_gpu": args.batch,
+        "gradient_accumulation_steps": args.acc,
+        "gradient_clipping": args.clip or 0.0,  # DeepSpeed clips at 1.0 unless told otherwise
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}},  # CPU AdamW when offloaded
+        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}},
+        "bf16": {"enabled": args.weights == "bf16"},
+        # the engine turns off an outer autocast unless its own config asks for one
+        "torch_autocast": {"enabled": args.autocast, "dtype": "bfloat16"},
+    }
+    engine, opt, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    return engine, opt
 
 
 def run_mode(mode: str, args) -> dict:
@@ -59,14 +89,14 @@ def run_mode(mode: str, args) -> dict:
         torch.set_default_dtype(default)
     params = sum(p.numel() for p in model.parameters())
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    sync = lambda: None  # noqa: E731
+    sync = lambda: None
     saving = contextlib.nullcontext  # how forward keeps its activations
     base, _, variant = mode.partition("+")
     if variant == "ckpt":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     elif variant == "save_on_cpu":
-        saving = lambda: torch.autograd.graph.save_on_cpu(pin_memory=True)  # noqa: E731
-    elif variant not in ("", "paged", "auto", "hostacc"):
+        saving = lambda: torch.autograd.graph.save_on_cpu(pin_memory=True)
+    elif variant not in ("", "paged", "auto", "hostacc", "vramacc"):
         raise ValueError(f"unknown mode {mode}")
     if base == "gpu-adamw":
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=True)
@@ -75,15 +105,18 @@ def run_mode(mode: str, args) -> dict:
         paging = {"paged": {"activations": args.activations, "vram_budget": args.vram_budget},
                   "auto": {"activations": "auto"}}.get(variant, {"activations": "off"})
         t0 = time.perf_counter()
-        model, opt = trainstream.wrap(model, opt, accumulation_steps=args.acc, max_grad_norm=args.clip, **paging)
+        model, opt = trainstream.wrap(model, opt, accumulation_steps=args.acc, max_grad_norm=args.clip,
+                                      accumulate_in_vram=variant == "vramacc", **paging)
         setup_s = time.perf_counter() - t0
         sync = opt.synchronize
         if variant == "hostacc":  # the comparison baseline: micro-batches added by host threads
             opt._pipeline.device_accumulate = False
     elif base == "torchao":
-        from torchao.optim import CPUOffloadOptimizer  # noqa: F401 - skipped when missing
+        from torchao.optim import CPUOffloadOptimizer  # skipped when missing
 
         opt = CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-4, weight_decay=0.01)
+    elif base == "deepspeed":
+        model, opt = deepspeed_engine(model, args)
     else:
         raise ValueError(f"unknown mode {mode}")
 
@@ -95,11 +128,16 @@ def run_mode(mode: str, args) -> dict:
         for _ in range(acc):
             with torch.autocast("cuda", dtype=torch.bfloat16, enabled=args.autocast), saving():
                 loss = loss_of(model, tokens)
-            (loss / acc).backward()
-        if args.clip is not None and base != "trainstream":
-            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+            if base == "deepspeed":  # the engine divides by acc, then steps and clips at the last micro-batch
+                model.backward(loss)
+                model.step()
+            else:
+                (loss / acc).backward()
+        if base != "deepspeed":
+            if args.clip is not None and base != "trainstream":
+                torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
         return loss
 
     for _ in range(args.warmup):
@@ -124,6 +162,8 @@ def run_mode(mode: str, args) -> dict:
         if opt.activation_pager is not None:
             print(opt.activation_pager.describe(), flush=True)
         opt.remove_hooks()
+    if base == "deepspeed":
+        model.destroy()  # hooks, pinned buffers and the CPU AdamW state go with the engine
     return result
 
 
@@ -150,11 +190,12 @@ def main(argv=None) -> int:
                     help="for the trainstream+paged mode: 'auto' or a share in [0, 1]")
     ap.add_argument("--vram-budget", default=None, help="for trainstream+paged: e.g. 6GB")
     ap.add_argument("--modes", default="gpu-adamw,trainstream,torchao",
-                    help="comma list of gpu-adamw, trainstream, torchao; a '+ckpt' (gradient "
+                    help="comma list of gpu-adamw, trainstream, torchao, deepspeed; a '+ckpt' (gradient "
                          "checkpointing), '+save_on_cpu' (torch's save_on_cpu), '+paged' (our "
                          "activation paging with --activations/--vram-budget) or '+auto' (our "
                          "paging, automatic) suffix changes how activations are kept; "
-                         "trainstream+hostacc adds micro-batch gradients on host threads")
+                         "trainstream+hostacc adds micro-batch gradients on host threads, "
+                         "trainstream+vramacc sums them in VRAM (accumulate_in_vram)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)
     args = ap.parse_args(argv)
@@ -177,6 +218,8 @@ def main(argv=None) -> int:
         gc.collect()  # the mode's model, optimizer and pinned memory go before the next one
         torch.cuda.empty_cache()
         print(json.dumps({k: v for k, v in results[-1].items() if k != "report"}), flush=True)
+    if torch.distributed.is_initialized():  # the deepspeed mode's one-process group
+        torch.distributed.destroy_process_group()
     first = next((r for r in results if "step_s" in r), None)  # ratios are against the first mode that ran
     base = first["step_s"] if first else None
     print(f"\n{torch.cuda.get_device_name()}  hidden={args.hidden} layers={args.layers} batch={args.batch}x{args.seq} "

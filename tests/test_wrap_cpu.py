@@ -55,18 +55,20 @@ def max_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
 
 
 @pytest.mark.parametrize(
-    "acc,clip,tol",
-    [(1, None, 3e-7), (4, None, 3e-7), (1, 1.0, 1e-6), (4, 1.0, 1e-6)],
-    ids=["plain", "accumulate4", "clip", "accumulate4+clip"],
+    "acc,clip,in_vram,tol",
+    [(1, None, False, 3e-7), (4, None, False, 3e-7), (1, 1.0, False, 1e-6), (4, 1.0, False, 1e-6),
+     (4, None, True, 3e-7), (4, 1.0, True, 1e-6)],
+    ids=["plain", "accumulate4", "clip", "accumulate4+clip", "accumulate4-in-vram", "accumulate4-in-vram+clip"],
 )
-def test_parity_with_torch_adamw(acc, clip, tol):
+def test_parity_with_torch_adamw(acc, clip, in_vram, tol):
     data = batches(STEPS, acc)
     ref, ref_opt = make()
     ref_norms = train(ref, ref_opt, data, clip=clip, sched=warmup_cosine(ref_opt, 5, STEPS))
 
     model, opt = make()
     frozen_before = [p.detach().clone() for p in model.blocks[0].parameters()]
-    model, opt = trainstream.wrap(model, opt, max_grad_norm=clip, accumulation_steps=acc)
+    model, opt = trainstream.wrap(model, opt, max_grad_norm=clip, accumulation_steps=acc,
+                                  accumulate_in_vram=in_vram)
     norms = train(model, opt, data, clip=clip, wrapped=True, sched=warmup_cosine(opt, 5, STEPS))
 
     assert max_diff(ref, model) <= tol
@@ -187,15 +189,47 @@ def test_scheduler_and_lr_edits_are_seen():
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 
-def test_early_step_with_accumulation_matches_torch():
+@pytest.mark.parametrize("in_vram", [False, True], ids=["host-sum", "vram-sum"])
+def test_early_step_with_accumulation_matches_torch(in_vram):
     """step() after 2 of accumulation_steps=4 backward passes updates from what was summed."""
     data = batches(3, 2)
     ref, ref_opt = make()
-    train(ref, ref_opt, data)
+    ref_norms = train(ref, ref_opt, data, clip=1e9)  # clips nothing; gives the norms
     model, opt = make()
-    model, opt = trainstream.wrap(model, opt, accumulation_steps=4)
-    train(model, opt, data, wrapped=True)
+    model, opt = trainstream.wrap(model, opt, accumulation_steps=4, accumulate_in_vram=in_vram,
+                                  track_grad_norm=True)
+    norms = []
+    for micro_batches in data:
+        for tokens in micro_batches:
+            (model.loss(tokens) / 2).backward()
+        opt.step()
+        opt.zero_grad()
+        norms.append(opt.last_grad_norm)
+    opt.synchronize()
     assert max_diff(ref, model) <= 3e-7
+    assert norms == pytest.approx(ref_norms, rel=1e-5)
+
+
+def test_accumulate_in_vram_keeps_the_sum_on_the_device_until_the_last_backward():
+    model, opt = make(freeze_first_block=False)
+    model, opt = trainstream.wrap(model, opt, accumulation_steps=3, accumulate_in_vram=True)
+    first, second, third = batches(1, 3)[0]
+    model.loss(first).backward()
+    model.loss(second).backward()
+    kept = {p: p.grad.clone() for p in model.parameters()}  # autograd's running sum, as in torch
+    model.loss(third).backward()
+    assert all(p.grad is None for p in model.parameters())  # sent to the host from the hooks
+    opt.step()
+    report = opt.report()
+    assert report["accumulate_in"] == "vram"
+    assert report["host_bytes_per_param"] < 20  # no host accumulator: master, moments, landing
+    assert all(g.abs().sum() > 0 for g in kept.values())
+
+
+def test_accumulate_in_vram_refuses_bf16_weights():
+    model, opt = make(dtype=torch.bfloat16)
+    with pytest.raises(trainstream.UnsupportedSetupError, match="fp32 weights"):
+        trainstream.wrap(model, opt, accumulation_steps=2, accumulate_in_vram=True)
 
 
 def test_too_many_backward_passes_is_an_error():

@@ -26,7 +26,7 @@ def tokens_for(step: int, batch: int = 8, seq: int = 17) -> torch.Tensor:
     return torch.randint(0, 97, (batch, seq), device="cuda", generator=g)
 
 
-def setup(dtype, clip, acc):
+def setup(dtype, clip, acc, in_vram=False):
     torch.manual_seed(0)
     model = TinyLM(dim=64).cuda().to(dtype)
     for p in model.blocks[0].parameters():
@@ -38,21 +38,26 @@ def setup(dtype, clip, acc):
     def hand_over(q):
         r = ref_params[names[q]]
         g = q.grad.float()
-        r.grad = g.clone() if r.grad is None else r.grad + g
+        # summed in VRAM, q.grad is already the window's running sum
+        r.grad = g.clone() if r.grad is None or in_vram else r.grad + g
 
     for p in model.parameters():
         if p.requires_grad:
             p.register_post_accumulate_grad_hook(hand_over)
     opt = torch.optim.AdamW(param_groups(model), lr=3e-3, betas=(0.9, 0.95))
     ref_opt = torch.optim.AdamW(param_groups(ref), lr=3e-3, betas=(0.9, 0.95), foreach=False)
-    model, opt = trainstream.wrap(model, opt, max_grad_norm=clip, accumulation_steps=acc)
+    model, opt = trainstream.wrap(model, opt, max_grad_norm=clip, accumulation_steps=acc,
+                                  accumulate_in_vram=in_vram)
     return model, opt, ref, ref_opt
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32-weights", "bf16-weights"])
-@pytest.mark.parametrize("clip,acc", [(None, 1), (1.0, 4)], ids=["plain", "clip+acc4"])
-def test_parity_on_gpu(dtype, clip, acc):
-    model, opt, ref, ref_opt = setup(dtype, clip, acc)
+@pytest.mark.parametrize("dtype,clip,acc,in_vram", [
+    (torch.float32, None, 1, False), (torch.bfloat16, None, 1, False),
+    (torch.float32, 1.0, 4, False), (torch.bfloat16, 1.0, 4, False), (torch.float32, 1.0, 4, True),
+], ids=["plain-fp32-weights", "plain-bf16-weights", "clip+acc4-fp32-weights", "clip+acc4-bf16-weights",
+        "clip+acc4-in-vram-fp32-weights"])
+def test_parity_on_gpu(dtype, clip, acc, in_vram):
+    model, opt, ref, ref_opt = setup(dtype, clip, acc, in_vram)
     sched, ref_sched = warmup_cosine(opt, 5, STEPS), warmup_cosine(ref_opt, 5, STEPS)
     for step in range(STEPS):
         for micro in range(acc):

@@ -47,7 +47,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
 
     def __init__(self, source: torch.optim.Optimizer, model: torch.nn.Module, pipeline, *,
                  device: torch.device, max_grad_norm: float | None, accumulation_steps: int,
-                 track_grad_norm: bool, streams: tuple | None, activation_pager=None) -> None:
+                 track_grad_norm: bool, streams: tuple | None, activation_pager=None,
+                 accumulate_in_vram: bool = False) -> None:
         super().__init__(source.param_groups, source.defaults)
         self.param_groups = source.param_groups  # the very same list: edits show on both sides
         self._pipeline = pipeline
@@ -56,6 +57,10 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self.activation_pager = activation_pager  # trainstream.activations.ActivationPager or None
         self.max_grad_norm = max_grad_norm
         self.accumulation_steps = accumulation_steps
+        # Micro-batch gradients are summed by autograd in VRAM and sent once per window, rather
+        # than sent every micro-batch and summed in a host accumulator.
+        self.accumulate_in_vram = accumulate_in_vram and accumulation_steps > 1
+        self._host_sum = accumulation_steps > 1 and not self.accumulate_in_vram
         self._track_norm = track_grad_norm or max_grad_norm is not None
         self._micro = 0  # backward passes finished in this accumulation window
         self._backward_tasks: set[int] = set()  # autograd graph tasks with our end-callback queued
@@ -69,7 +74,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
 
     # ----------------------------------------------------------------------------- set-up
     def _register(self, model: torch.nn.Module) -> None:
-        accumulate = self.accumulation_steps > 1
+        accumulate = self._host_sum
         for group in self.param_groups:
             for p in group["params"]:
                 if not p.requires_grad or p in self._slots:
@@ -134,27 +139,33 @@ class OffloadedAdamW(torch.optim.Optimizer):
             self._pipeline.load_weights(slot.host, param.data_ptr(), self._current_stream())
             slot.version = param._version
         last = self._micro == self.accumulation_steps - 1
-        accumulate = self.accumulation_steps > 1
+        first = not slot.landed
+        if first:
+            slot.landed = True
+            self._arrival.append(slot)
+        if self.accumulate_in_vram and not last:
+            return  # autograd adds the next micro-batch into param.grad
         update_now = last and self.max_grad_norm is None
         job = dict(
-            accumulate=accumulate,
-            overwrite=accumulate and not slot.landed,
-            from_accumulator=accumulate,
+            accumulate=self._host_sum,
+            overwrite=self._host_sum and first,
+            from_accumulator=self._host_sum,
             norm=last and self._track_norm,
         )
         if update_now:
             job.update(self._update_args(slot, grad_scale=1.0))
+        self._send(slot, grad, job)
+        if update_now:
+            self._mark_updated(slot)
+
+    def _send(self, slot: _Slot, grad: torch.Tensor, job: dict) -> None:
+        """Hands a gradient to the pipeline (copy out, then `job` on the host) and frees it."""
         if not grad.is_contiguous():
             grad = grad.contiguous()
         self._pipeline.land_gradient(slot.host, grad.data_ptr(), self._current_stream(), **job)
         if grad.is_cuda:  # the download stream reads it: keep its memory from reuse until then
             grad.record_stream(self._streams[0])
-        param.grad = None
-        if not slot.landed:
-            slot.landed = True
-            self._arrival.append(slot)
-        if update_now:
-            self._mark_updated(slot)
+        slot.param.grad = None
         self._norm_pending = self._track_norm
 
     def _on_backward_end(self, task: int) -> None:
@@ -199,10 +210,14 @@ class OffloadedAdamW(torch.optim.Optimizer):
                 loss = closure()
         pending = [s for s in reversed(self._arrival) if not s.updated]  # forward order
         if pending:
-            from_acc = self.accumulation_steps > 1
+            from_acc = self._host_sum
             scale = 1.0
-            if self._track_norm and self._micro < self.accumulation_steps:
-                for s in pending:  # early step: the norms were not taken during backward
+            for s in pending:
+                if s.param.grad is not None and self.accumulate_in_vram:
+                    # Still summing in VRAM: an early step, or no gradient in the last backward.
+                    self._send(s, s.param.grad, dict(norm=self._track_norm))
+                elif self._track_norm and self._micro < self.accumulation_steps:
+                    # early step: the norm was not taken during backward
                     self._pipeline.submit(s.host, from_accumulator=from_acc, norm=True)
             self._norm_slots = list(self._arrival)
             if self.max_grad_norm is not None:
@@ -236,7 +251,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
         return self._last_grad_norm
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Gradients never stay on the device; this only clears any a caller left behind."""
+        """Clears gradients left on the device: any a caller left behind, and with
+        accumulate_in_vram the window's unsent sums (as torch's zero_grad would)."""
         for p in self._slots:
             p.grad = None
 
@@ -304,6 +320,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
             "isa": self._pipeline.isa,
             "threads": self._pipeline.threads,
             "accumulation_steps": self.accumulation_steps,
+            "accumulate_in": "vram" if self.accumulate_in_vram else "host",
             "max_grad_norm": self.max_grad_norm,
             "last_grad_norm": self.last_grad_norm,
             "activations": self.activation_pager.report() if self.activation_pager else "off",

@@ -12,12 +12,12 @@ from trainstream.optimizer import OffloadedAdamW
 _GIB = 1 << 30
 
 
-def host_bytes_per_param(dtype: torch.dtype, accumulation_steps: int) -> int:
+def host_bytes_per_param(dtype: torch.dtype, host_accumulator: bool) -> int:
     """Host bytes one trainable parameter costs: fp32 master, exp_avg, exp_avg_sq, a landing
-    buffer in the weight dtype (bf16 weights also go back up from it) and, with accumulation,
-    an fp32 accumulator."""
+    buffer in the weight dtype (bf16 weights also go back up from it) and, when micro-batches
+    are summed on the host, an fp32 accumulator."""
     landing = 2 if dtype == torch.bfloat16 else 4
-    return 12 + landing + (4 if accumulation_steps > 1 else 0)
+    return 12 + landing + (4 if host_accumulator else 0)
 
 
 def wrap(
@@ -26,6 +26,7 @@ def wrap(
     *,
     max_grad_norm: float | None = None,
     accumulation_steps: int = 1,
+    accumulate_in_vram: bool = False,
     track_grad_norm: bool = False,
     threads: int = 0,
     isa: str | None = None,
@@ -46,6 +47,11 @@ def wrap(
             Do not call clip_grad_norm_ yourself: gradients are no longer on the device.
         accumulation_steps: backward passes per optimizer step; micro-batch gradients are summed
             in fp32 host memory, and the update runs after the last one (or at an earlier step()).
+        accumulate_in_vram: with accumulation_steps > 1, let autograd sum the micro-batch
+            gradients in VRAM, as plain PyTorch does, and send each sum to the host from the
+            window's last backward. Costs VRAM for one gradient per weight (4 bytes a parameter)
+            and saves PCIe traffic: each gradient crosses once per step instead of once per
+            micro-batch. The sums are the same fp32 adds in the same order. fp32 weights only.
         track_grad_norm: measure the global gradient norm even without clipping
             (``optimizer.last_grad_norm``).
         threads: host threads for AdamW (0: every CPU this process may use).
@@ -97,7 +103,12 @@ def wrap(
         check_weight_dtype(names.get(p, "<not in model>"), p)
         if not p.is_contiguous():
             raise UnsupportedSetupError(f"parameter '{names.get(p)}' is not contiguous; call .contiguous() on it before wrapping")
-    _check_host_memory(trainable, accumulation_steps)
+    if accumulate_in_vram and any(p.dtype != torch.float32 for p in trainable):
+        raise UnsupportedSetupError(
+            "accumulate_in_vram needs fp32 weights: autograd would sum bf16 gradients in bf16, "
+            "rounding every micro-batch. Leave it off to sum them in fp32 on the host.")
+    host_accumulator = accumulation_steps > 1 and not accumulate_in_vram
+    _check_host_memory(trainable, host_accumulator)
     paging, share, budget = _activation_policy(activations, vram_budget, device)
 
     if device.type == "cuda":
@@ -122,22 +133,22 @@ def wrap(
     wrapped = OffloadedAdamW(
         optimizer, model, pipeline, device=device, max_grad_norm=max_grad_norm,
         accumulation_steps=int(accumulation_steps), track_grad_norm=track_grad_norm, streams=streams,
-        activation_pager=pager,
+        activation_pager=pager, accumulate_in_vram=accumulate_in_vram,
     )
     for p in trainable:
         p.grad = None
     return model, wrapped
 
 
-def _check_host_memory(params: list[torch.Tensor], accumulation_steps: int) -> None:
-    needed = sum(p.numel() * host_bytes_per_param(p.dtype, accumulation_steps) for p in params)
+def _check_host_memory(params: list[torch.Tensor], host_accumulator: bool) -> None:
+    needed = sum(p.numel() * host_bytes_per_param(p.dtype, host_accumulator) for p in params)
     available = _C.host_memory_available()
     if available and needed > available:
         count = sum(p.numel() for p in params)
         raise MemoryError(
             f"TrainStream needs {needed / _GIB:.1f} GiB of host RAM for {count / 1e9:.2f}B trainable "
             f"parameters ({needed / count:.0f} bytes each: fp32 master weights, two AdamW moments, "
-            f"a gradient buffer{', an fp32 accumulator' if accumulation_steps > 1 else ''}), but only "
+            f"a gradient buffer{', an fp32 accumulator' if host_accumulator else ''}), but only "
             f"{available / _GIB:.1f} GiB is available. Free host memory, freeze some parameters, "
             f"or use a machine with more RAM."
         )
