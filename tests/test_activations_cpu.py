@@ -246,3 +246,35 @@ def test_autocast_weight_casts_are_recomputed_bit_exactly():
     assert all(torch.equal(a, b) for a, b in zip(ref_losses, losses))
     assert all(torch.equal(p, q) for p, q in zip(ref.parameters(), model.parameters()))
     assert opt.report()["activations"]["recast_bytes_per_step"] > 0
+
+
+def test_auto_profile_finishes_when_a_block_does_not_run():
+    """The profiled forward times the blocks that ran; one that was skipped counts as empty."""
+    from trainstream.activations import ActivationPager
+
+    class SkipsOne(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(64, 64), nn.GELU()) for _ in range(4))
+
+        def forward(self, x):
+            for i, block in enumerate(self.blocks):
+                if i != 2:  # e.g. layer drop
+                    x = block(x)
+            return x.square().sum()
+
+    torch.manual_seed(0)
+    model, ref = SkipsOne(), SkipsOne()
+    ref.load_state_dict(model.state_dict())
+    pager = ActivationPager(model, device=torch.device("cpu"), share=None, vram_budget=None)
+    x = torch.randn(32, 64)
+    for _ in range(3):  # cold forward, timed forward, then the plan
+        model.zero_grad()
+        model(x).backward()
+    assert pager.report()["state"] == "paging"
+    assert pager.profile.block_bytes[2] == 0 and pager.profile.block_seconds[2] == 0.0
+    assert pager.profile.block_seconds[0] > 0 and pager.profile.block_bytes[0] > 0
+    assert pager.plan.paged_blocks == 3  # host copies cost nothing here: every pageable block
+    ref(x).backward()
+    for p, r in zip(model.parameters(), ref.parameters()):
+        assert (p.grad is None and r.grad is None) or torch.equal(p.grad, r.grad)  # block 2: None

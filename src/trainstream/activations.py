@@ -14,7 +14,8 @@ TrainStream updates a weight only after its gradient is complete. That alone fre
 parameter of activation memory under autocast.
 
 Which blocks to page is decided after a profiling step that pages every block but the last and
-measures, per block, the bytes saved and the forward time, plus the copy bandwidth:
+measures, per block, the bytes saved and the forward time (a block that did not run in it counts
+as empty), plus the copy bandwidth:
 
 * ``"auto"``: page the leading blocks whose copies hide behind the forward compute,
 * a share in [0, 1]: page that share of the pageable blocks,
@@ -25,6 +26,7 @@ measures, per block, the bytes saved and the forward time, plus the copy bandwid
 from __future__ import annotations
 
 import re
+import time
 import weakref
 from dataclasses import dataclass, field
 
@@ -269,7 +271,9 @@ class ActivationPager:
         self._prefetched: set[int] = set()
         self._figures = _StepFigures()
         self.last = _StepFigures()  # figures of the last finished forward
-        self._events: list = []
+        self._times: list = []  # (block, start mark, end mark) for each block run in the timed forward
+        self._block_start = None
+        self._timed = False  # the timed forward has finished: the next one ends profiling
         self._fresh_plan = False
         self._timing = False  # this forward is the profiled one
         self._forwards = 0
@@ -295,21 +299,21 @@ class ActivationPager:
     def _model_pre(self, module, args):
         if _in_backward() or self._hooks_ctx is not None or not torch.is_grad_enabled():
             return  # nothing is saved for backward under no_grad
-        if self._profiling and len(self._events) == 2 * len(self.blocks):
+        if self._profiling and self._timed:
             self._finish_profile()
         # the first forward runs cold (allocator, kernels' first launches): time the second
-        self._timing = self._cuda and self._profiling and self._forwards > 0
+        self._timing = self._profiling and self._forwards > 0
         self._forwards += 1
         self._generation += 1
         self._by_storage = {}
         self._stored_by_block = [[] for _ in self.blocks]
         self._prefetched = set()
         self._figures = _StepFigures(block_bytes=[0] * len(self.blocks))
-        if self._timing or self._fresh_plan:  # the profile's peak, then the plan's
+        if self._cuda and (self._timing or self._fresh_plan):  # the profile's peak, then the plan's
             torch.cuda.reset_peak_memory_stats(self.device)
-            self._fresh_plan = False
+        self._fresh_plan = False
         if self._timing:
-            self._events = []
+            self._times = []
         self._hooks_ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks_ctx.__enter__()
 
@@ -320,6 +324,7 @@ class ActivationPager:
         self._hooks_ctx = None
         self._current = None
         self.last = self._figures
+        self._timed = self._timing
 
     def _block_pre(self, index: int):
         def hook(module, args):
@@ -334,22 +339,28 @@ class ActivationPager:
             if last is not None:
                 self._native.wait_paged_out(last.paged)
             if self._timing:  # after the wait: time the block's own work
-                self._events.append(self._record())
+                self._block_start = self._mark()
         return hook
 
     def _block_post(self, module, args, output):
         if self._hooks_ctx is None or _in_backward():
             return
-        if self._timing:
-            self._events.append(self._record())
+        if self._timing and self._current is not None:
+            self._times.append((self._current, self._block_start, self._mark()))
         self._current = None
         if torch.is_autocast_enabled(self.device.type):
             torch.clear_autocast_cache()  # its casts of this block's weights are recast in backward
 
-    def _record(self):
+    def _mark(self):
+        """A point in time: a CUDA event on the compute stream, or the host clock on the CPU."""
+        if not self._cuda:
+            return time.perf_counter()
         event = torch.cuda.Event(enable_timing=True)
         event.record(torch.cuda.current_stream(self.device))
         return event
+
+    def _seconds(self, start, end) -> float:
+        return start.elapsed_time(end) / 1e3 if self._cuda else end - start
 
     # ---------------------------------------------------------------- pack / unpack
     def _pack(self, t: torch.Tensor):
@@ -439,18 +450,21 @@ class ActivationPager:
     # -------------------------------------------------------------------- profiling
     def _finish_profile(self) -> None:
         """After the profiled step: turn its events and byte counts into a plan."""
-        events = self._events  # a (start, end) pair per block
-        events[-1].synchronize()
-        times = [events[2 * i].elapsed_time(events[2 * i + 1]) / 1e3 for i in range(len(self.blocks))]
+        if self._cuda and self._times:
+            self._times[-1][2].synchronize()
+        times = [0.0] * len(self.blocks)  # a block that did not run costs nothing (and saved nothing)
+        for block, start, end in self._times:
+            times[block] += self._seconds(start, end)
         d2h, h2d = measure_copy_bandwidth(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device)
+        peak = self.observed_peak_bytes()
         self.profile = Profile(list(self.last.block_bytes), times, d2h, h2d, peak)
         self.plan = plan_paging(self.profile, share=self.share, vram_budget=self.vram_budget,
                                 keep_last=self.keep_last)
         self._paged_upto = self.plan.paged_blocks
         self._profiling = False
         self._fresh_plan = True
-        self._events = []
+        self._times = []
+        self._timed = False
 
     def observed_peak_bytes(self) -> int | None:
         if not self._cuda:
