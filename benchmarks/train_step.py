@@ -42,6 +42,7 @@ def build_model(args) -> torch.nn.Module:
         vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate or int(2.6875 * args.hidden),
         num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.heads,
         max_position_embeddings=args.seq, tie_word_embeddings=False,
+        use_cache=False,  # training: a KV cache would keep every layer's keys and values in VRAM
     )
     config._attn_implementation = "sdpa"
     return LlamaForCausalLM(config)
@@ -104,6 +105,8 @@ def run_mode(mode: str, args) -> dict:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
         paging = {"paged": {"activations": args.activations, "vram_budget": args.vram_budget},
                   "auto": {"activations": "auto"}}.get(variant, {"activations": "off"})
+        if variant in ("paged", "auto"):
+            paging["prefetch_depth"] = args.prefetch_depth
         t0 = time.perf_counter()
         model, opt = trainstream.wrap(model, opt, accumulation_steps=args.acc, max_grad_norm=args.clip,
                                       accumulate_in_vram=variant == "vramacc", **paging)
@@ -189,6 +192,8 @@ def main(argv=None) -> int:
     ap.add_argument("--activations", default="auto",
                     help="for the trainstream+paged mode: 'auto' or a share in [0, 1]")
     ap.add_argument("--vram-budget", default=None, help="for trainstream+paged: e.g. 6GB")
+    ap.add_argument("--prefetch-depth", type=int, default=1,
+                    help="for trainstream+paged/+auto: blocks prefetched ahead in backward")
     ap.add_argument("--modes", default="gpu-adamw,trainstream,torchao",
                     help="comma list of gpu-adamw, trainstream, torchao, deepspeed; a '+ckpt' (gradient "
                          "checkpointing), '+save_on_cpu' (torch's save_on_cpu), '+paged' (our "

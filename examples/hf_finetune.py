@@ -34,12 +34,13 @@ class RandomTokens(torch.utils.data.Dataset):
 
 def load_model(args) -> transformers.PreTrainedModel:
     torch.manual_seed(0)
-    if args.model:
-        return transformers.AutoModelForCausalLM.from_pretrained(args.model, torch_dtype=torch.float32)
+    if args.model:  # no KV cache in training: it would keep every layer's keys and values in VRAM
+        return transformers.AutoModelForCausalLM.from_pretrained(args.model, torch_dtype=torch.float32,
+                                                                 use_cache=False)
     config = transformers.LlamaConfig(
         vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=int(2.6875 * args.hidden),
         num_hidden_layers=args.layers, num_attention_heads=max(1, args.hidden // 64),
-        num_key_value_heads=max(1, args.hidden // 64), max_position_embeddings=args.seq)
+        num_key_value_heads=max(1, args.hidden // 64), max_position_embeddings=args.seq, use_cache=False)
     return transformers.LlamaForCausalLM(config)
 
 

@@ -6,6 +6,8 @@ checkout or by path): the source tree has no compiled `trainstream._C`.
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -19,6 +21,16 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(no_cuda)
+
+
+@pytest.fixture(autouse=True)
+def collect_earlier_garbage(request):
+    """A wrapped model and its optimizer reference each other through hooks, so a finished test's
+    model is freed by the cycle collector, at a moment of its choosing. Collect it before each GPU
+    test: otherwise it may vanish halfway through the next test's memory figures."""
+    if "gpu" in request.keywords and torch.cuda.is_available():
+        gc.collect()
+        torch.cuda.empty_cache()
 
 
 @pytest.fixture(scope="session")

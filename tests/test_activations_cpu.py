@@ -4,6 +4,8 @@ for PCIe. Results must be bit-identical with and without paging."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from tiny_models import TinyLM
@@ -190,9 +192,11 @@ def test_storage_saved_twice_is_paged_once():
     model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters()), activations=1.0)
     x = torch.randn(64, 48)
     model(x).backward()
-    # block 0 pages the storages of x, h (through b), s, y (saved three times) and u, once each
+    # block 0 pages the storages of h (through b), s, y (saved three times) and u, once each;
+    # not x: the caller holds the model's input, so paging it would free nothing
     paged = opt.report()["activations"]["paged_bytes_per_step"]
-    assert paged == 4 * 64 * (48 + 96 + 48 + 48 + 48)
+    assert paged == 4 * 64 * (96 + 48 + 48 + 48)
+    assert opt.report()["activations"]["held_elsewhere_bytes_per_step"] == 0
     opt.step()
 
 
@@ -278,3 +282,56 @@ def test_auto_profile_finishes_when_a_block_does_not_run():
     ref(x).backward()
     for p, r in zip(model.parameters(), ref.parameters()):
         assert (p.grad is None and r.grad is None) or torch.equal(p.grad, r.grad)  # block 2: None
+
+
+def test_activations_held_outside_autograd_are_reported():
+    """A block that keeps a saved tensor (as a KV cache does) frees nothing by paging it: the
+    report counts those bytes apart, the per-block figures leave them out, and one warning says
+    what to do."""
+
+    class CachingBlock(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(64, 64)
+
+        def forward(self, x, cache):
+            h = self.linear(x)
+            cache.append(h)  # like a KV cache
+            return torch.nn.functional.gelu(h)  # saves h for backward
+
+    class Cached(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(CachingBlock() for _ in range(3))
+            self.cache, self.keep_cache = [], True
+
+        def forward(self, x):
+            cache = []
+            x = x.clone()
+            for block in self.blocks:
+                x = block(x, cache)
+            self.cache = cache if self.keep_cache else []
+            return x.square().sum()
+
+    model = Cached()
+    model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters()), activations=1.0)
+    x = torch.randn(32, 64)
+    h_bytes = 32 * 64 * 4
+    with pytest.warns(UserWarning, match="use_cache=False"):
+        model(x).backward()
+    report = opt.report()["activations"]
+    assert report["paged_blocks"] == 2
+    # blocks 0 and 1 page their input and h; h stays in the cache
+    assert report["paged_bytes_per_step"] == 4 * h_bytes
+    assert report["held_elsewhere_bytes_per_step"] == 2 * h_bytes
+    assert opt.activation_pager.last.block_bytes[:2] == [h_bytes, h_bytes]  # what paging frees
+    assert "stayed referenced outside autograd" in opt.activation_pager.describe()
+    opt.step()
+    model.keep_cache = False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(x).backward()
+    opt.step()
+    report = opt.report()["activations"]
+    assert report["held_elsewhere_bytes_per_step"] == 0
+    assert opt.activation_pager.last.block_bytes[:2] == [2 * h_bytes, 2 * h_bytes]

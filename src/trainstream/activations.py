@@ -7,8 +7,8 @@ starts, blocks k-1 ... k-depth are prefetched on a prefetch stream, and each unp
 the compute stream wait for its own copy (an event, no host synchronisation). Paging is a copy,
 so training is bit-identical with and without it.
 
-Two things are never paged: parameters (and views of them), which stay in VRAM anyway, and
-tensors below ``min_bytes``. The bf16 copies that autocast makes of fp32 weights are not kept
+Three things are never paged: parameters (and views of them), which stay in VRAM anyway, the
+model's inputs, which the caller holds, and tensors below ``min_bytes``. The bf16 copies that autocast makes of fp32 weights are not kept
 either: backward recasts them from the weights, which cannot have changed in between because
 TrainStream updates a weight only after its gradient is complete. That alone frees 2 bytes per
 parameter of activation memory under autocast.
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import re
 import time
+import warnings
 import weakref
 from dataclasses import dataclass, field
 
@@ -57,6 +58,10 @@ def parse_bytes(value) -> int:
     return int(size)
 
 
+def _size(nbytes: int) -> str:
+    return f"{nbytes / _GB:.2f} GB" if nbytes >= 0.1 * _GB else f"{nbytes / 1e6:.1f} MB"
+
+
 def find_blocks(model: torch.nn.Module) -> tuple[str, list[torch.nn.Module]]:
     """The model's repeated blocks: the ModuleList of same-class modules holding most parameters."""
     best, best_key = ("", []), (0, 0)
@@ -76,7 +81,7 @@ def find_blocks(model: torch.nn.Module) -> tuple[str, list[torch.nn.Module]]:
 class Profile:
     """What the profiling step measured."""
 
-    block_bytes: list[int]  # activation bytes eligible for paging, per block
+    block_bytes: list[int]  # activation bytes that paging frees, per block
     block_seconds: list[float]  # forward wall time of each block on the compute stream
     d2h_bytes_per_s: float
     h2d_bytes_per_s: float
@@ -203,6 +208,18 @@ class _Kept:
         self.tensor, self.block, self.generation = tensor, block, generation
 
 
+def _tensors(obj):
+    """The tensors in nested tuples, lists and dicts."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (tuple, list)):
+        for item in obj:
+            yield from _tensors(item)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            yield from _tensors(item)
+
+
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
@@ -213,7 +230,8 @@ class _StepFigures:
     recast_bytes: int = 0
     kept_bytes: int = 0  # eligible-size activations left on the device
     on_demand: int = 0  # unpacks whose copy had not been prefetched
-    block_bytes: list = field(default_factory=list)
+    held_bytes: int = 0  # paged, but still referenced outside autograd when forward ended
+    block_bytes: list = field(default_factory=list)  # what leaving each block on the device costs
 
 
 class ActivationPager:
@@ -253,6 +271,7 @@ class ActivationPager:
         self._param_ids = {id(p) for p in model.parameters()}
         self._static_storages = {t.untyped_storage().data_ptr()
                                  for t in list(model.parameters()) + list(model.buffers())}
+        self._input_storages: set[int] = set()
         # share given: decided now; otherwise the first step profiles with every block paged
         self.plan: Plan | None = None
         self.profile: Profile | None = None
@@ -276,13 +295,16 @@ class ActivationPager:
         self._timed = False  # the timed forward has finished: the next one ends profiling
         self._fresh_plan = False
         self._timing = False  # this forward is the profiled one
+        self._timed_generation = -1
+        self._backward_peak: int | None = None  # peak VRAM read when the profiled backward ended
+        self._warned_held = False
         self._forwards = 0
         self._handles = []
         self._register(model)
 
     # ----------------------------------------------------------------------- hooks
     def _register(self, model) -> None:
-        self._handles.append(model.register_forward_pre_hook(self._model_pre))
+        self._handles.append(model.register_forward_pre_hook(self._model_pre, with_kwargs=True))
         self._handles.append(model.register_forward_hook(self._model_post, always_call=True))
         for i, block in enumerate(self.blocks):
             self._handles.append(block.register_forward_pre_hook(self._block_pre(i)))
@@ -296,9 +318,11 @@ class ActivationPager:
     def _compute_stream(self) -> int:
         return torch.cuda.current_stream(self.device).cuda_stream if self._cuda else 0
 
-    def _model_pre(self, module, args):
+    def _model_pre(self, module, args, kwargs):
         if _in_backward() or self._hooks_ctx is not None or not torch.is_grad_enabled():
             return  # nothing is saved for backward under no_grad
+        # the caller holds the model's inputs: paging them would free nothing
+        self._input_storages = {t.untyped_storage().data_ptr() for t in _tensors((args, kwargs))}
         if self._profiling and self._timed:
             self._finish_profile()
         # the first forward runs cold (allocator, kernels' first launches): time the second
@@ -314,6 +338,8 @@ class ActivationPager:
         self._fresh_plan = False
         if self._timing:
             self._times = []
+            self._timed_generation = self._generation
+            self._backward_peak = None
         self._hooks_ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks_ctx.__enter__()
 
@@ -323,8 +349,26 @@ class ActivationPager:
         self._hooks_ctx.__exit__(None, None, None)
         self._hooks_ctx = None
         self._current = None
+        self._count_held()
         self.last = self._figures
         self._timed = self._timing
+
+    def _count_held(self) -> None:
+        """Paged storages that something besides autograd still holds (a KV cache, hidden states
+        kept in the output, a stash) keep their device memory: paging them frees nothing."""
+        figures = self._figures
+        for tensor, stored in self._by_storage.values():
+            stored = stored()
+            if stored is not None and tensor() is not None:
+                figures.held_bytes += stored.nbytes
+                figures.block_bytes[stored.block] -= stored.nbytes
+        if figures.held_bytes and not self._warned_held:
+            self._warned_held = True
+            warnings.warn(
+                f"{_size(figures.held_bytes)} of paged activations are still referenced outside "
+                f"autograd after forward (a KV cache, or hidden states kept in the output?): they are "
+                f"copied to the host but their VRAM is not freed. For training a Hugging Face model, "
+                f"call it with use_cache=False or set model.config.use_cache = False.", stacklevel=2)
 
     def _block_pre(self, index: int):
         def hook(module, args):
@@ -381,9 +425,10 @@ class ActivationPager:
         key = storage.data_ptr()
         nbytes = storage.nbytes()
         view_bytes = t.numel() * t.element_size()
-        if (key in self._static_storages or view_bytes < self.min_bytes or nbytes > 4 * view_bytes
+        static = key in self._static_storages or key in self._input_storages
+        if (static or view_bytes < self.min_bytes or nbytes > 4 * view_bytes
                 or nbytes % t.element_size() or block >= self._paged_upto):
-            if view_bytes >= self.min_bytes and key not in self._static_storages:
+            if view_bytes >= self.min_bytes and not static:
                 self._figures.kept_bytes += view_bytes
                 self._figures.block_bytes[block] += view_bytes
             return _Kept(t, block, self._generation)
@@ -438,6 +483,11 @@ class ActivationPager:
 
     def _start_block_backward(self, block: int, generation: int) -> None:
         """Block `block` runs backward: prefetch the blocks that run next."""
+        if generation == self._timed_generation and self._backward_peak is None and self._cuda:
+            # read the profiled step's peak when its backward ends: a caller resetting the peak
+            # statistics before the next forward must not hide it
+            self._backward_peak = 0  # queued: read when backward ends
+            torch.autograd.Variable._execution_engine.queue_callback(self._note_backward_peak)
         if generation != self._generation or block in self._prefetched:
             return
         self._prefetched.add(block)
@@ -448,6 +498,9 @@ class ActivationPager:
                     self._fetch(stored)
 
     # -------------------------------------------------------------------- profiling
+    def _note_backward_peak(self) -> None:
+        self._backward_peak = torch.cuda.max_memory_allocated(self.device)
+
     def _finish_profile(self) -> None:
         """After the profiled step: turn its events and byte counts into a plan."""
         if self._cuda and self._times:
@@ -457,6 +510,8 @@ class ActivationPager:
             times[block] += self._seconds(start, end)
         d2h, h2d = measure_copy_bandwidth(self.device)
         peak = self.observed_peak_bytes()
+        if peak is not None and self._backward_peak:
+            peak = max(peak, self._backward_peak)
         self.profile = Profile(list(self.last.block_bytes), times, d2h, h2d, peak)
         self.plan = plan_paging(self.profile, share=self.share, vram_budget=self.vram_budget,
                                 keep_last=self.keep_last)
@@ -485,6 +540,7 @@ class ActivationPager:
             "recast_bytes_per_step": figures.recast_bytes,
             "kept_bytes_per_step": figures.kept_bytes,
             "on_demand_fetches": figures.on_demand,
+            "held_elsewhere_bytes_per_step": figures.held_bytes,
             "prefetch_depth": self.depth,
             "host_memory_kind": self._native.memory_kind,
             "host_slots": stats["slots"],
@@ -513,6 +569,9 @@ class ActivationPager:
                   f"{r['recast_bytes_per_step'] / _GB:.2f} GB of weight casts recomputed, "
                   f"{r['kept_bytes_per_step'] / _GB:.2f} GB kept on the device, "
                   f"{r['on_demand_fetches']} unpacks not prefetched")]
+        if r["held_elsewhere_bytes_per_step"]:
+            lines.append(f"  {_size(r['held_elsewhere_bytes_per_step'])} of it stayed referenced outside "
+                         f"autograd (a KV cache?): copied, but not freed")
         if "copy_s_per_step" in r:
             lines.append(f"  copies {r['copy_s_per_step'] * 1e3:.1f} ms each way at {r['d2h_GBps']:.1f}/"
                          f"{r['h2d_GBps']:.1f} GB/s vs forward {r['forward_s'] * 1e3:.1f} ms: "
