@@ -4,19 +4,11 @@
 
 #include "trainstream/cuda/cuda_check.hpp"
 #include "trainstream/cuda/cuda_transfer.hpp"
+#include "trainstream/cuda/streams.hpp"
 
 namespace trainstream {
 
 namespace {
-
-cudaStream_t as_stream(std::uintptr_t handle) { return reinterpret_cast<cudaStream_t>(handle); }
-
-// Makes `stream` wait (on the device) for the work queued so far on the compute stream.
-void after_compute(void* point, std::uintptr_t compute_stream, cudaStream_t stream) {
-  auto event = static_cast<cudaEvent_t>(point);
-  TS_CUDA_CHECK(cudaEventRecord(event, as_stream(compute_stream)));
-  TS_CUDA_CHECK(cudaStreamWaitEvent(stream, event, 0));
-}
 
 // A slot's two copies. A slot is reused every step, so each copy also waits for the previous
 // copy of the other direction on the same host bytes.
@@ -60,7 +52,7 @@ void CudaActivationPager::copy_out(TransferSlot& s, void* host, const void* devi
   auto& sync = static_cast<PagerSync&>(s);
   cudaStream_t offload = as_stream(offload_stream_);
   // The activation is complete once the work queued so far on the compute stream has run.
-  after_compute(point_, compute_stream, offload);
+  order_after(static_cast<cudaEvent_t>(point_), as_stream(compute_stream), offload);
   // A reused slot may still be read by the last prefetch of whoever held it before.
   if (sync.ever_in) TS_CUDA_CHECK(cudaStreamWaitEvent(offload, sync.in_done, 0));
   TS_CUDA_CHECK(cudaMemcpyAsync(host, device, bytes, cudaMemcpyDeviceToHost, offload));
@@ -73,7 +65,7 @@ void CudaActivationPager::copy_in(TransferSlot& s, void* device, const void* hos
   cudaStream_t prefetch = as_stream(prefetch_stream_);
   // The destination was just allocated on the compute stream: earlier kernels there may still
   // use that memory. And the host bytes must have landed.
-  after_compute(point_, compute_stream, prefetch);
+  order_after(static_cast<cudaEvent_t>(point_), as_stream(compute_stream), prefetch);
   TS_CUDA_CHECK(cudaStreamWaitEvent(prefetch, sync.out_done, 0));
   TS_CUDA_CHECK(cudaMemcpyAsync(device, host, bytes, cudaMemcpyHostToDevice, prefetch));
   TS_CUDA_CHECK(cudaEventRecord(sync.in_done, prefetch));

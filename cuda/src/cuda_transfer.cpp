@@ -6,12 +6,11 @@
 
 #include "accumulate.hpp"
 #include "trainstream/cuda/cuda_check.hpp"
+#include "trainstream/cuda/streams.hpp"
 
 namespace trainstream {
 
 namespace {
-
-cudaStream_t as_stream(std::uintptr_t handle) { return reinterpret_cast<cudaStream_t>(handle); }
 
 // cudaLaunchHostFunc target: runs one landed-callback, then frees it.
 void CUDART_CB run_landed(void* data) {
@@ -38,12 +37,6 @@ struct CudaSlot : TransferSlot {
     cudaEventDestroy(uploaded);
   }
 };
-
-// The copy (or kernel) must not start before the kernel that produced the gradient has finished.
-void wait_for_producer(CudaSlot& slot, std::uintptr_t producer_stream, cudaStream_t download_stream) {
-  TS_CUDA_CHECK(cudaEventRecord(slot.produced, as_stream(producer_stream)));
-  TS_CUDA_CHECK(cudaStreamWaitEvent(download_stream, slot.produced, 0));
-}
 
 // Marks the slot's download point and queues `landed` behind it.
 void mark_landed(CudaSlot& slot, cudaStream_t download_stream, std::function<void()> landed) {
@@ -107,7 +100,8 @@ void CudaTransfer::download(TransferSlot& s, void* host, const void* device, std
                             std::uintptr_t producer_stream, std::function<void()> landed) {
   auto& slot = static_cast<CudaSlot&>(s);
   const cudaStream_t stream = as_stream(download_stream_);
-  wait_for_producer(slot, producer_stream, stream);
+  // The copy must not start before the kernel that produced the gradient has finished.
+  order_after(slot.produced, as_stream(producer_stream), stream);
   TS_CUDA_CHECK(cudaMemcpyAsync(host, device, bytes, cudaMemcpyDeviceToHost, stream));
   mark_landed(slot, stream, std::move(landed));
 }
@@ -120,7 +114,7 @@ void CudaTransfer::accumulate_download(TransferSlot& s, float* host_acc, const v
   DeviceScope on_device(device_);
   float* acc = nullptr;  // the same bytes as host_acc, as the GPU addresses them
   TS_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&acc), host_acc, 0));
-  wait_for_producer(slot, producer_stream, stream);
+  order_after(slot.produced, as_stream(producer_stream), stream);  // as in download()
   launch_accumulate(acc, device_grad, grad_dtype, numel, overwrite, stream);
   mark_landed(slot, stream, std::move(landed));
 }

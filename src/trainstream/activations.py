@@ -294,8 +294,7 @@ class ActivationPager:
         self._block_start = None
         self._timed = False  # the timed forward has finished: the next one ends profiling
         self._fresh_plan = False
-        self._timing = False  # this forward is the profiled one
-        self._timed_generation = -1
+        self._timing = False  # the latest forward (and its backward) is the profiled one
         self._backward_peak: int | None = None  # peak VRAM read when the profiled backward ended
         self._warned_held = False
         self._forwards = 0
@@ -338,7 +337,6 @@ class ActivationPager:
         self._fresh_plan = False
         if self._timing:
             self._times = []
-            self._timed_generation = self._generation
             self._backward_peak = None
         self._hooks_ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks_ctx.__enter__()
@@ -483,7 +481,7 @@ class ActivationPager:
 
     def _start_block_backward(self, block: int, generation: int) -> None:
         """Block `block` runs backward: prefetch the blocks that run next."""
-        if generation == self._timed_generation and self._backward_peak is None and self._cuda:
+        if self._timing and generation == self._generation and self._backward_peak is None and self._cuda:
             # read the profiled step's peak when its backward ends: a caller resetting the peak
             # statistics before the next forward must not hide it
             self._backward_peak = 0  # queued: read when backward ends

@@ -61,8 +61,9 @@ def wrap(
         activations: activation paging. "auto" (default on CUDA): after two profiling steps
             (every block but the last paged, the second one timed), page the saved activations of
             as many leading blocks as can be copied behind the forward compute; a float in [0, 1]:
-            page that share of the blocks; "off": no paging (and no saved-tensor hooks at all). With paging on, autocast's bf16 copies of the weights are
-            recomputed in backward instead of kept. Paging is bit-exact.
+            page that share of the blocks; "off": no paging (and no saved-tensor hooks at all).
+            With paging on, autocast's bf16 copies of the weights are recomputed in backward
+            instead of kept. Paging is bit-exact.
         vram_budget: peak VRAM to stay under, in bytes or as a string like "24GB": page as many
             blocks as that needs, even if their copies cannot all hide behind compute.
         blocks: the modules to page block by block (default: the largest ModuleList of
