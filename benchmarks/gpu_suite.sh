@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Build, test and benchmark on a CUDA machine in one go; logs and JSON land in $1 (default ./gpu-results).
 #   bash benchmarks/gpu_suite.sh [OUTDIR] [STAGES]
-# STAGES: comma list of build,tests,verify,adamw,step,paging,large,sanitize (default: build,tests,verify,adamw,step)
+# STAGES: comma list of build,tests,verify,adamw,step,timeline,paging,large,sanitize
+#         (default: build,tests,verify,adamw,step)
 set -uo pipefail
 out="${1:-gpu-results}"
 stages=",${2:-build,tests,verify,adamw,step},"
@@ -33,10 +34,15 @@ if has adamw; then
 fi
 if has step; then
   for acc in 1 8 32; do
-    steps=$(( acc == 32 ? 3 : 5 ))
+    steps=$(( acc == 1 ? 30 : acc == 8 ? 12 : 8 ))  # long enough that the final drain hardly counts
     modes=gpu-adamw,trainstream$([ "$acc" -gt 1 ] && echo ,trainstream+vramacc),torchao,deepspeed  # peers if installed
     python3 "$repo/benchmarks/train_step.py" --acc "$acc" --steps "$steps" --modes "$modes" \
       --json "$out/step_acc$acc.json" 2>&1 | tail -10
+  done
+fi
+if has timeline; then  # one accumulation window, forward by backward, against GPU AdamW
+  for mode in gpu-adamw trainstream+vramacc; do
+    python3 "$repo/benchmarks/step_timeline.py" --mode "$mode" --acc 8 --json "$out/timeline_$mode.json" 2>&1 | tail -20
   done
 fi
 if has paging; then  # 1B, batch 4x1024: ways to keep activations, on TrainStream

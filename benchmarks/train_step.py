@@ -170,8 +170,8 @@ def run_mode(mode: str, args) -> dict:
     return result
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_model_arguments(ap: argparse.ArgumentParser) -> None:
+    """The model and batch flags (default: the 0.95B Llama at batch 4x1024), and --acc."""
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--heads", type=int, default=16)
@@ -180,6 +180,11 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--acc", type=int, default=1)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_model_arguments(ap)
     ap.add_argument("--clip", type=float, default=None)
     ap.add_argument("--weights", choices=["fp32", "bf16"], default="fp32",
                     help="fp32 weights under bf16 autocast, or bf16 weights")

@@ -1,0 +1,144 @@
+"""Where a training step's time goes: each micro-batch's forward and backward, GPU and host side.
+
+    python benchmarks/step_timeline.py --mode trainstream+vramacc --acc 8 --steps 2
+
+Same model and modes as train_step.py. For each timed step it prints how long every forward and
+backward took on the GPU (CUDA events on the compute stream) and on the host (Python's clock,
+from the call to its return), then the step: from its first forward to the next step's first
+forward, or for the last step to the moment everything, host threads included, has finished.
+With TrainStream the host update shows up in two places: the window's last backward (gradients
+leave at PCIe speed while the host updates) and the next step's first forward (each module waits
+for the uploads of the weights it reads). Without CUDA the model runs on the CPU and only host
+times are shown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+from train_step import add_model_arguments, build_model, loss_of
+
+import trainstream
+
+MODES = ("gpu-adamw", "trainstream", "trainstream+vramacc")
+
+
+class Marks:
+    """Named points in time: host clock always, CUDA events on the current stream when on a GPU."""
+
+    def __init__(self, cuda: bool) -> None:
+        self.cuda = cuda
+        self.names: list[str] = []
+        self.host: list[float] = []
+        self.events: list = []
+
+    def __call__(self, name: str) -> None:
+        self.names.append(name)
+        self.host.append(time.perf_counter())
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.events.append(event)
+
+    def span(self, i: int, j: int) -> tuple[float | None, float]:
+        """(GPU ms, host ms) from mark i to mark j; call after the GPU has finished."""
+        gpu = self.events[i].elapsed_time(self.events[j]) if self.cuda else None
+        return gpu, 1e3 * (self.host[j] - self.host[i])
+
+
+def run(args) -> dict:
+    device = torch.device(args.device)
+    torch.manual_seed(0)
+    with device:
+        model = build_model(args)
+    base, _, variant = args.mode.partition("+")
+    fused = device.type == "cuda" and base == "gpu-adamw"
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=fused)
+    settle = lambda: None
+    if base == "trainstream":
+        model, opt = trainstream.wrap(model, opt, accumulation_steps=args.acc, activations="off",
+                                      accumulate_in_vram=variant == "vramacc")
+        settle = opt.synchronize
+    g = torch.Generator(device=device).manual_seed(1)
+    tokens = torch.randint(0, args.vocab, (args.batch, args.seq), device=device, generator=g)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+    marks = Marks(device.type == "cuda")
+
+    def step(mark) -> None:
+        for i in range(args.acc):
+            mark(f"forward {i}")
+            with autocast:
+                loss = loss_of(model, tokens)
+            mark(f"backward {i}")
+            (loss / args.acc).backward()
+        mark("optimizer.step")
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def finish() -> None:
+        settle()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    for _ in range(args.warmup):
+        step(lambda name: None)
+    finish()
+    for _ in range(args.steps):
+        step(marks)
+    finish()
+    marks("end")  # once everything, host threads included, has finished
+    finish()
+
+    steps = []
+    per_step = 2 * args.acc + 1  # a forward and a backward mark per micro-batch, then optimizer.step
+    for s in range(args.steps):
+        first = s * per_step
+        phases = []
+        for k in range(per_step):
+            name = marks.names[first + k]
+            gpu, host = marks.span(first + k, first + k + 1)
+            phases.append({"phase": name, "gpu_ms": gpu, "host_ms": host})
+        gpu, host = marks.span(first, first + per_step)
+        steps.append({"phases": phases, "step_gpu_ms": gpu, "step_host_ms": host})
+    return {"mode": args.mode, "device": str(device), "acc": args.acc, "steps": steps}
+
+
+def print_timeline(result: dict) -> None:
+    cuda = result["device"].startswith("cuda")
+    print(f"{result['mode']} on {result['device']}, accumulation {result['acc']}")
+    print(f"{'step':>4}  {'phase':<16}{'GPU ms' if cuda else '':>9}{'host ms':>10}")
+    for s, step in enumerate(result["steps"]):
+        for p in step["phases"]:
+            gpu = f"{p['gpu_ms']:9.1f}" if cuda else " " * 9
+            print(f"{s:>4}  {p['phase']:<16}{gpu}{p['host_ms']:10.1f}")
+        gpu = f"{step['step_gpu_ms']:9.1f}" if cuda else " " * 9
+        print(f"{s:>4}  {'whole step':<16}{gpu}{step['step_host_ms']:10.1f}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--mode", choices=MODES, default="trainstream",
+                    help="gpu-adamw: torch.optim.AdamW on the model's device (fused on CUDA)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add_model_arguments(ap)
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print("--device cuda needs a CUDA GPU; use --device cpu", file=sys.stderr)
+        return 2
+    result = run(args)
+    print_timeline(result)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,38 @@
+"""benchmarks/step_timeline.py on the CPU: every mode runs, and the phases account for the step."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import step_timeline
+
+TINY = ["--device", "cpu", "--hidden", "64", "--layers", "2", "--heads", "4", "--intermediate", "128",
+        "--vocab", "128", "--batch", "2", "--seq", "16", "--warmup", "1", "--steps", "2"]
+
+
+@pytest.mark.parametrize("mode", step_timeline.MODES)
+def test_timeline_accounts_for_every_micro_batch(mode, tmp_path, capsys):
+    out = tmp_path / "timeline.json"
+    assert step_timeline.main([*TINY, "--mode", mode, "--acc", "3", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["mode"] == mode and len(result["steps"]) == 2
+    for step in result["steps"]:
+        names = [p["phase"] for p in step["phases"]]
+        assert names == ["forward 0", "backward 0", "forward 1", "backward 1", "forward 2", "backward 2",
+                         "optimizer.step"]
+        assert all(p["host_ms"] > 0 and p["gpu_ms"] is None for p in step["phases"])
+        assert sum(p["host_ms"] for p in step["phases"]) == pytest.approx(step["step_host_ms"])
+    printed = capsys.readouterr().out
+    assert printed.count("whole step") == 2 and "GPU ms" not in printed
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present")
+def test_cuda_without_gpu_says_so(capsys):
+    assert step_timeline.main(["--device", "cuda"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
