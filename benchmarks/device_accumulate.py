@@ -36,10 +36,10 @@ import time
 import torch
 
 from trainstream._native import _C
+from trainstream.host_adamw import DTYPE_NAMES
+from trainstream.wrap import host_bytes_per_param
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-# Host bytes per parameter: fp32 master + two moments + accumulator, and the landing buffer.
-HOST_BYTES = {"float32": 4 * 4 + 4, "bfloat16": 4 * 4 + 2}
+DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -72,7 +72,7 @@ def llama_sizes(layers: int, hidden=2048, intermediate=8192, kv=512, vocab=32000
 def fit_layers(args) -> list[int]:
     """The requested model, or fewer layers if the host cannot pin enough memory for it."""
     available = _C.host_memory_available()
-    per_param = HOST_BYTES[args.dtype]
+    per_param = host_bytes_per_param(DTYPES[args.dtype], host_accumulator=True)
     layers = args.layers
     while layers > 1 and available and sum(llama_sizes(layers)) * per_param > 0.8 * available:
         layers -= 1

@@ -23,8 +23,6 @@ void bind_pager(py::module_& m) {
            py::arg("compute_stream"), "Make the compute stream wait (on the device) for the page-in.")
       .def("wait_paged_out", &ActivationPager::wait_paged_out, py::arg("paged"),
            py::call_guard<py::gil_scoped_release>(), "Block until the page-out has landed in host memory.")
-      .def_property_readonly("offload_stream", &ActivationPager::offload_stream)
-      .def_property_readonly("prefetch_stream", &ActivationPager::prefetch_stream)
       .def_property_readonly("memory_kind", &ActivationPager::memory_kind)
       .def("stats", [](const ActivationPager& p) {
         const ActivationPager::Stats s = p.stats();

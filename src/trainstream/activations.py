@@ -8,9 +8,10 @@ the compute stream wait for its own copy (an event, no host synchronisation). Pa
 so training is bit-identical with and without it.
 
 Three things are never paged: parameters (and views of them), which stay in VRAM anyway, the
-model's inputs, which the caller holds, and tensors below ``min_bytes``. The bf16 copies that autocast makes of fp32 weights are not kept
-either: backward recasts them from the weights, which cannot have changed in between because
-TrainStream updates a weight only after its gradient is complete. That alone frees 2 bytes per
+model's inputs, which the caller holds, and tensors below ``min_bytes``. The bf16 copies that
+autocast makes of fp32 weights are not kept either: backward recasts them from the weights,
+which cannot have changed in between because TrainStream updates a weight only after its
+gradient is complete. That alone frees 2 bytes per
 parameter of activation memory under autocast.
 
 Which blocks to page is decided after a profiling step that pages every block but the last and
@@ -531,7 +532,7 @@ class ActivationPager:
         out = {
             "blocks": f"{self.blocks_name} x{len(self.blocks)}",
             "state": "profiling" if self._profiling else "paging",
-            "paged_blocks": plan.paged_blocks if plan else len(self.blocks) - self.keep_last,
+            "paged_blocks": self._paged_upto,
             "pageable_blocks": len(self.blocks) - self.keep_last,
             "decision": plan.reason if plan else "profiling: every pageable block paged",
             "paged_bytes_per_step": figures.paged_bytes,

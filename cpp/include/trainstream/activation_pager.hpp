@@ -89,9 +89,6 @@ class ActivationPager {
   virtual void order_after_page_in(PagedActivation& a, std::uintptr_t compute_stream) = 0;
   // Blocks the calling thread until a's page_out has landed in host memory.
   virtual void wait_paged_out(PagedActivation& a) = 0;
-  // The offload and prefetch streams (0 in CPU mode), for record_stream on the Python side.
-  virtual std::uintptr_t offload_stream() const { return 0; }
-  virtual std::uintptr_t prefetch_stream() const { return 0; }
 
   Stats stats() const;
   const char* memory_kind() const { return pool_->kind(); }

@@ -17,8 +17,6 @@ class CudaActivationPager : public ActivationPager {
 
   void order_after_page_in(PagedActivation& a, std::uintptr_t compute_stream) override;
   void wait_paged_out(PagedActivation& a) override;
-  std::uintptr_t offload_stream() const override { return offload_stream_; }
-  std::uintptr_t prefetch_stream() const override { return prefetch_stream_; }
 
  protected:
   std::unique_ptr<TransferSlot> make_sync() override;
