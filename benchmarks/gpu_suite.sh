@@ -35,7 +35,10 @@ fi
 if has step; then
   for acc in 1 8 32; do
     steps=$(( acc == 1 ? 30 : acc == 8 ? 12 : 8 ))  # long enough that the final drain hardly counts
-    modes=gpu-adamw,trainstream$([ "$acc" -gt 1 ] && echo ,trainstream+vramacc),torchao,deepspeed  # peers if installed
+    # with TrainStream's baselines: fp32 gradient transfer at acc 1, every forward gated above
+    ours=$([ "$acc" -gt 1 ] && echo trainstream,trainstream+vramacc,trainstream+vramacc+everygate \
+      || echo trainstream,trainstream+fp32grads)
+    modes=gpu-adamw,$ours,torchao,deepspeed  # peers if installed
     python3 "$repo/benchmarks/train_step.py" --acc "$acc" --steps "$steps" --modes "$modes" \
       --json "$out/step_acc$acc.json" 2>&1 | tail -10
   done

@@ -92,7 +92,12 @@ def run_mode(mode: str, args) -> dict:
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     sync = lambda: None
     saving = contextlib.nullcontext  # how forward keeps its activations
-    base, _, variant = mode.partition("+")
+    base, *extras = mode.split("+")
+    # Baselines for TrainStream's own choices, added to any trainstream mode: '+fp32grads' sends
+    # every gradient as fp32, '+everygate' gates every forward pre-hook on the uploads.
+    knobs = {e for e in extras if e in ("fp32grads", "everygate")}
+    variants = [e for e in extras if e not in knobs]
+    variant = variants[0] if len(variants) == 1 else "" if not variants else "?"
     if variant == "ckpt":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     elif variant == "save_on_cpu":
@@ -114,6 +119,8 @@ def run_mode(mode: str, args) -> dict:
         sync = opt.synchronize
         if variant == "hostacc":  # the comparison baseline: micro-batches added by host threads
             opt._pipeline.device_accumulate = False
+        opt._pipeline.pack_gradients = "fp32grads" not in knobs
+        opt._gate_always = "everygate" in knobs
     elif base == "torchao":
         from torchao.optim import CPUOffloadOptimizer  # skipped when missing
 
@@ -205,7 +212,9 @@ def main(argv=None) -> int:
                          "activation paging with --activations/--vram-budget) or '+auto' (our "
                          "paging, automatic) suffix changes how activations are kept; "
                          "trainstream+hostacc adds micro-batch gradients on host threads, "
-                         "trainstream+vramacc sums them in VRAM (accumulate_in_vram)")
+                         "trainstream+vramacc sums them in VRAM (accumulate_in_vram); a further "
+                         "'+fp32grads' (no bf16 gradient transfer) or '+everygate' (no skipped "
+                         "forward gates) on a trainstream mode gives a baseline for that choice")
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)
     args = ap.parse_args(argv)

@@ -106,6 +106,74 @@ def test_bf16_weights_keep_fp32_master():
         assert torch.equal(p.detach(), master.to(torch.bfloat16))
 
 
+@pytest.mark.parametrize("acc,in_vram", [(1, False), (4, True)], ids=["plain", "accumulate4-in-vram"])
+def test_bf16_exact_gradients_cross_as_bf16_without_changing_a_bit(acc, in_vram):
+    """Under bf16 autocast a Linear's weight gradient is bf16 widened to fp32: it is sent as bf16
+    (half the bytes). The tied embedding's gradient (a sum), the norms' and sums of micro-batches
+    in VRAM are not, and cross whole. Either way training is bit-identical to the packing
+    switched off."""
+    data = batches(4, acc)
+    runs = {}
+    for pack in (True, False):
+        model, opt = make(freeze_first_block=False)
+        model, opt = trainstream.wrap(model, opt, accumulation_steps=acc, accumulate_in_vram=in_vram)
+        opt._pipeline.pack_gradients = pack
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            train(model, opt, data, wrapped=True)
+        runs[pack] = model, opt
+    (packed, opt), (plain, plain_opt) = runs[True], runs[False]
+    for p, q in zip(packed.parameters(), plain.parameters()):
+        assert torch.equal(p, q)
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(opt.state[p][key], plain_opt.state[q][key])
+    packs = {n: opt._slots[p].host.last_gradient_as_bf16 for n, p in packed.named_parameters()}
+    share = opt.report()["gradients_sent_as_bf16"]
+    if in_vram:
+        assert not any(packs.values()) and share == 0.0
+    else:
+        assert packs["blocks.0.attn.qkv.weight"] and packs["blocks.2.down.weight"]
+        assert not packs["embed.weight"]  # embedding gradient plus the tied head's
+        assert not any(v for n, v in packs.items() if "norm" in n)
+        assert 0.5 < share < 1.0
+    assert plain_opt.report()["gradients_sent_as_bf16"] == 0.0
+
+
+def test_forward_gates_only_after_new_updates():
+    """A module's pre-hook orders the stream after its weights' uploads; once it has, later
+    forwards skip that call until another update is queued (the rest of an accumulation window)."""
+    model, opt = make(freeze_first_block=False)
+    model, opt = trainstream.wrap(model, opt, accumulation_steps=4, accumulate_in_vram=True)
+    gated = []
+
+    class Spy:  # counts the native gate calls, passes everything through
+        def __init__(self, inner):
+            self.inner = inner
+
+        def gate(self, hosts, stream):
+            gated.append(len(hosts))
+            return self.inner.gate(hosts, stream)
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    opt._pipeline = Spy(opt._pipeline)
+    modules = sum(1 for m in model.modules() if any(True for _ in m.parameters(recurse=False)))
+    per_forward = []
+    for micro_batches in batches(2, 4):
+        for tokens in micro_batches:
+            before = len(gated)
+            (model.loss(tokens) / 4).backward()
+            per_forward.append(len(gated) - before)
+        opt.step()
+        opt.zero_grad()
+    assert per_forward == [modules, 0, 0, 0, modules, 0, 0, 0]
+    opt._gate_always = True
+    before = len(gated)
+    model.loss(batches(1, 1)[0][0]).backward()
+    assert len(gated) - before == modules
+    opt.step()
+
+
 def test_gradients_hooks_capture_and_release():
     model, opt = make(freeze_first_block=False)
     model, opt = trainstream.wrap(model, opt)

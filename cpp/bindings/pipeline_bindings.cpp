@@ -48,6 +48,8 @@ void bind_pipeline(py::module_& m) {
       })
       .def_property_readonly("squared_norm", [](const HostParam& p) { return p.squared_norm; })
       .def_property_readonly("has_accumulator", [](const HostParam& p) { return p.accumulator != nullptr; })
+      .def_property_readonly("last_gradient_as_bf16", &HostParam::last_gradient_as_bf16,
+                             "fp32 weights: whether the last gradient consumed crossed as bf16 (it was exact)")
       .def("view", [](const std::shared_ptr<HostParam>& p, const std::string& name) {
         if (name == "master") return HostView{p, p->master, 4 * p->numel};
         if (name == "exp_avg") return HostView{p, p->exp_avg, 4 * p->numel};
@@ -68,6 +70,9 @@ void bind_pipeline(py::module_& m) {
                     &OffloadPipeline::set_device_accumulate,
                     "Whether micro-batch gradients are accumulated by the transfer (a GPU kernel) rather "
                     "than by host jobs; may be switched at any time.")
+      .def_property("pack_gradients", &OffloadPipeline::pack_gradients, &OffloadPipeline::set_pack_gradients,
+                    "Whether fp32 gradients whose values are bf16 (weight gradients under bf16 autocast) "
+                    "are sent to the host as bf16, losslessly; may be switched at any time.")
       .def_property_readonly("pending", &OffloadPipeline::pending)
       .def_property_readonly("downloading_bytes", &OffloadPipeline::downloading_bytes)
       .def("add_param", [](OffloadPipeline& o, std::size_t numel, const std::string& dtype, bool accumulate,

@@ -52,6 +52,24 @@ void accumulate_grad(ThreadPool& pool, float* acc, const void* grad, DType dtype
   });
 }
 
+bool bf16_exact(const float* src, std::size_t numel) {
+  std::uint32_t low = 0;
+  for (std::size_t i = 0; i < numel; ++i) {
+    std::uint32_t bits;
+    std::memcpy(&bits, src + i, 4);
+    low |= bits;
+  }
+  return (low & 0xFFFFu) == 0;
+}
+
+void pack_bf16_exact(std::uint16_t* dst, const float* src, std::size_t numel) {
+  for (std::size_t i = 0; i < numel; ++i) {
+    std::uint32_t bits;
+    std::memcpy(&bits, src + i, 4);
+    dst[i] = static_cast<std::uint16_t>(bits >> 16);
+  }
+}
+
 double squared_norm(ThreadPool& pool, const void* data, DType dtype, std::size_t numel) {
   const std::size_t chunk = chunk_elements(numel, pool.size());
   std::vector<double> partial((numel + chunk - 1) / chunk, 0.0);

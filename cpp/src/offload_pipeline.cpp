@@ -42,6 +42,10 @@ std::shared_ptr<HostParam> OffloadPipeline::add_param(std::size_t numel, DType w
   p->exp_avg_sq = static_cast<float*>(arena.allocate(4 * numel));
   p->grad = arena.allocate(p->weight_bytes());
   if (accumulate) p->accumulator = static_cast<float*>(arena.allocate(4 * numel));
+  if (weight_dtype == DType::float32) {
+    p->inexact_ = static_cast<std::uint32_t*>(arena.allocate(sizeof(std::uint32_t)));
+    p->packs_ = true;
+  }
   std::memset(p->exp_avg, 0, 4 * numel);
   std::memset(p->exp_avg_sq, 0, 4 * numel);
   p->slot_ = transfer_->make_slot();
@@ -89,6 +93,9 @@ void OffloadPipeline::land_gradient(const std::shared_ptr<HostParam>& p, std::ui
   // jobs still wait for this landing: enqueue() orders every job after the latest download.
   const bool queue_job =
       !device_add || route == Route::landing || job.norm || job.update || job.device_weight != 0;
+  // Only the landing route consumes the gradient in a job of its own, which reads the verdict.
+  const bool packed = route == Route::landing && p->packs_ && pack_gradients_;
+  if (!packed) p->sent_bf16_ = false;
   const std::size_t bytes = p->weight_bytes();
   {
     std::unique_lock<std::mutex> lock(mutex_);
@@ -118,6 +125,9 @@ void OffloadPipeline::land_gradient(const std::shared_ptr<HostParam>& p, std::ui
     if (route == Route::add) {
       transfer_->accumulate_download(*p->slot_, p->accumulator, grad, p->weight_dtype, p->numel,
                                      requested.overwrite, producer_stream, std::move(landed));
+    } else if (packed) {
+      transfer_->download_bf16_exact(*p->slot_, p->grad, static_cast<const float*>(grad), p->numel,
+                                     p->inexact_, producer_stream, std::move(landed));
     } else {
       void* target = route == Route::in_place ? static_cast<void*>(p->accumulator) : p->grad;
       transfer_->download(*p->slot_, target, grad, bytes, producer_stream, std::move(landed));
@@ -133,7 +143,7 @@ void OffloadPipeline::land_gradient(const std::shared_ptr<HostParam>& p, std::ui
     landed_.notify_all();
     throw;
   }
-  if (queue_job) enqueue(p, job);
+  if (queue_job) enqueue(p, job, packed);
 }
 
 void OffloadPipeline::submit(const std::shared_ptr<HostParam>& p, const GradJob& job) { enqueue(p, job); }
@@ -143,14 +153,14 @@ void OffloadPipeline::check_accumulator(const HostParam& p, const GradJob& job) 
              "OffloadPipeline: accumulation requested for a parameter without an accumulator");
 }
 
-void OffloadPipeline::enqueue(const std::shared_ptr<HostParam>& p, const GradJob& job) {
+void OffloadPipeline::enqueue(const std::shared_ptr<HostParam>& p, const GradJob& job, bool packed) {
   check_accumulator(*p, job);
   {
     std::lock_guard<std::mutex> lock(mutex_);
     rethrow_locked();
     // The job runs after every download of this parameter issued so far has landed: its own
     // gradient, and device accumulations that queued no job of their own.
-    queue_.push_back({p, job, ++p->queued_, p->downloads_, ++order_});
+    queue_.push_back({p, job, ++p->queued_, p->downloads_, ++order_, packed});
     ++in_flight_;
   }
   work_ready_.notify_one();
@@ -185,9 +195,18 @@ void OffloadPipeline::run(Task& task) {
   HostParam& p = *task.param;
   const GradJob& job = task.job;
   ThreadPool& pool = engine_.pool();
-  if (job.accumulate) accumulate_grad(pool, p.accumulator, p.grad, p.weight_dtype, p.numel, job.overwrite);
+  DType landed = p.weight_dtype;  // what the landing buffer holds
+  if (task.packed) {
+    if (*p.inexact_ == 0) {
+      landed = DType::bfloat16;
+    } else {
+      p.packs_ = false;  // e.g. a tied or fp32-computed weight: stop testing its gradients
+    }
+    p.sent_bf16_ = landed == DType::bfloat16;
+  }
+  if (job.accumulate) accumulate_grad(pool, p.accumulator, p.grad, landed, p.numel, job.overwrite);
   const void* grad = job.from_accumulator ? static_cast<const void*>(p.accumulator) : p.grad;
-  const DType grad_dtype = job.from_accumulator ? DType::float32 : p.weight_dtype;
+  const DType grad_dtype = job.from_accumulator ? DType::float32 : landed;
   if (job.norm) p.squared_norm = squared_norm(pool, grad, grad_dtype, p.numel);
   if (job.update) {
     AdamWBuffers b;

@@ -6,6 +6,13 @@
 
 namespace trainstream {
 
+void Transfer::download_bf16_exact(TransferSlot& slot, void* host, const float* device_grad, std::size_t numel,
+                                   std::uint32_t* inexact, std::uintptr_t producer_stream,
+                                   std::function<void()> landed) {
+  *inexact = 1;
+  download(slot, host, device_grad, 4 * numel, producer_stream, std::move(landed));
+}
+
 HostTransfer::HostTransfer() : arena_(std::make_unique<PageableSlabs>()) {}
 
 std::unique_ptr<TransferSlot> HostTransfer::make_slot() { return std::make_unique<TransferSlot>(); }
@@ -20,6 +27,18 @@ void HostTransfer::accumulate_download(TransferSlot&, float* host_acc, const voi
                                        std::size_t numel, bool overwrite, std::uintptr_t,
                                        std::function<void()> landed) {
   accumulate_grad(host_acc, device_grad, grad_dtype, numel, overwrite);
+  if (landed) landed();
+}
+
+void HostTransfer::download_bf16_exact(TransferSlot&, void* host, const float* device_grad, std::size_t numel,
+                                       std::uint32_t* inexact, std::uintptr_t, std::function<void()> landed) {
+  const bool exact = bf16_exact(device_grad, numel);
+  if (exact) {
+    pack_bf16_exact(static_cast<std::uint16_t*>(host), device_grad, numel);
+  } else {
+    std::memcpy(host, device_grad, 4 * numel);
+  }
+  *inexact = exact ? 0 : 1;
   if (landed) landed();
 }
 

@@ -5,6 +5,7 @@
 #include <string>
 
 #include "accumulate.hpp"
+#include "pack_bf16.hpp"
 #include "trainstream/cuda/cuda_check.hpp"
 #include "trainstream/cuda/streams.hpp"
 
@@ -116,6 +117,22 @@ void CudaTransfer::accumulate_download(TransferSlot& s, float* host_acc, const v
   TS_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&acc), host_acc, 0));
   order_after(slot.produced, as_stream(producer_stream), stream);  // as in download()
   launch_accumulate(acc, device_grad, grad_dtype, numel, overwrite, stream);
+  mark_landed(slot, stream, std::move(landed));
+}
+
+void CudaTransfer::download_bf16_exact(TransferSlot& s, void* host, const float* device_grad, std::size_t numel,
+                                       std::uint32_t* inexact, std::uintptr_t producer_stream,
+                                       std::function<void()> landed) {
+  auto& slot = static_cast<CudaSlot&>(s);
+  const cudaStream_t stream = as_stream(download_stream_);
+  DeviceScope on_device(device_);
+  void* dst = nullptr;  // host and inexact as the GPU addresses them
+  std::uint32_t* flag = nullptr;
+  TS_CUDA_CHECK(cudaHostGetDevicePointer(&dst, host, 0));
+  TS_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&flag), inexact, 0));
+  *inexact = 0;  // pinned memory is coherent: the scan kernel, launched after this store, sees it
+  order_after(slot.produced, as_stream(producer_stream), stream);  // as in download()
+  launch_pack_bf16(dst, device_grad, numel, flag, stream);
   mark_landed(slot, stream, std::move(landed));
 }
 

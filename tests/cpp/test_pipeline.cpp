@@ -472,4 +472,75 @@ TEST_CASE("a failed device accumulation throws and leaves nothing in flight") {
   CHECK(p->accumulator[5] == grad_value(5, 0) + grad_value(5, 0));
 }
 
+// ------------------------------------------------------------------ bf16-exact gradients
+
+namespace {
+
+float bf16_valued(std::size_t i, int k) { return bf16_to_float(float_to_bf16(grad_value(i, k))); }
+
+struct StepResult {
+  std::vector<float> master, exp_avg, exp_avg_sq, weight;
+  double squared_norm = 0;
+  bool packs = false, sent_bf16 = false;
+};
+
+// Three plain steps of one fp32 parameter (gradients without accumulation, as at acc 1) with the
+// given gradient values per step, on a CPU-mode pipeline.
+StepResult three_steps(bool pack, std::size_t n, float (*const values[3])(std::size_t, int)) {
+  OffloadPipeline pipeline(std::make_unique<HostTransfer>(), 2, Isa::scalar);
+  pipeline.set_pack_gradients(pack);
+  std::vector<float> weight(n);
+  for (std::size_t i = 0; i < n; ++i) weight[i] = std::cos(0.11f * i);
+  auto p = pipeline.add_param(n, DType::float32, false);
+  pipeline.load_weights(*p, addr(weight.data()), 0);
+  StepResult r;
+  for (int step = 0; step < 3; ++step) {
+    const auto grad = device_buffer(DType::float32, n, values[step], step);
+    GradJob job = update_job(addr(weight.data()));
+    job.norm = true;
+    job.hyper.step = step + 1;
+    pipeline.land_gradient(p, addr(grad.data()), 0, job);
+    pipeline.synchronize();
+    if (step == 0 && pack) {  // landed as bf16: the first half of the landing buffer holds the halves
+      std::vector<std::uint16_t> halves(n);
+      for (std::size_t i = 0; i < n; ++i) halves[i] = float_to_bf16(values[0](i, 0));
+      CHECK(std::memcmp(p->grad, halves.data(), 2 * n) == 0);
+      CHECK(p->packs_gradients() && p->last_gradient_as_bf16());
+    }
+  }
+  r.master.assign(p->master, p->master + n);
+  r.exp_avg.assign(p->exp_avg, p->exp_avg + n);
+  r.exp_avg_sq.assign(p->exp_avg_sq, p->exp_avg_sq + n);
+  r.weight = weight;
+  r.squared_norm = p->squared_norm;
+  r.packs = p->packs_gradients();
+  r.sent_bf16 = p->last_gradient_as_bf16();
+  return r;
+}
+
+}  // namespace
+
+TEST_CASE("bf16-exact fp32 gradients land as bf16 and update bit-identically; others stop the packing") {
+  for (std::size_t n : {std::size_t(1), std::size_t(17), std::size_t(4099)}) {
+    float (*const exact[3])(std::size_t, int) = {bf16_valued, bf16_valued, bf16_valued};
+    float (*const mixed[3])(std::size_t, int) = {bf16_valued, grad_value, bf16_valued};
+    for (const auto& values : {exact, mixed}) {
+      const StepResult plain = three_steps(false, n, values), packed = three_steps(true, n, values);
+      CHECK(same_bits(plain.master, packed.master) && same_bits(plain.exp_avg, packed.exp_avg) &&
+            same_bits(plain.exp_avg_sq, packed.exp_avg_sq) && same_bits(plain.weight, packed.weight));
+      CHECK(plain.squared_norm == packed.squared_norm);
+      CHECK(packed.packs == (values == exact));  // one inexact gradient ends the attempts
+      CHECK(packed.sent_bf16 == (values == exact) && !plain.sent_bf16);
+    }
+  }
+  // The Transfer default (a backend that cannot test where the gradient lies) sends fp32.
+  Rig rig;
+  std::vector<float> g(8, 0.5f);
+  std::uint32_t inexact = 0;
+  std::vector<float> host(8);
+  TransferSlot slot;
+  rig.transfer->download_bf16_exact(slot, host.data(), g.data(), 8, &inexact, 0, {});
+  CHECK(inexact == 1 && host == g);
+}
+
 TS_TEST_MAIN

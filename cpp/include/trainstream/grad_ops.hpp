@@ -15,6 +15,11 @@ void accumulate_grad(ThreadPool& pool, float* acc, const void* grad, DType grad_
 // The same on the calling thread alone.
 void accumulate_grad(float* acc, const void* grad, DType grad_dtype, std::size_t numel, bool overwrite);
 
+// Whether every element is a bf16 value widened to fp32: its low 16 bits are zero.
+bool bf16_exact(const float* src, std::size_t numel);
+// dst[i] = the high 16 bits of src[i]: bf16 without rounding, exact when bf16_exact(src).
+void pack_bf16_exact(std::uint16_t* dst, const float* src, std::size_t numel);
+
 // Sum of squares, accumulated in double.
 double squared_norm(ThreadPool& pool, const void* data, DType dtype, std::size_t numel);
 

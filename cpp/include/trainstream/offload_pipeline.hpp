@@ -21,8 +21,9 @@
 namespace trainstream {
 
 // One parameter's host state: fp32 master weights, AdamW moments, the landing buffer for its
-// gradient (in the weight dtype; for bf16 weights it also carries the bf16 weights back up) and,
-// with gradient accumulation, an fp32 accumulator.
+// gradient (in the weight dtype; for bf16 weights it also carries the bf16 weights back up; an
+// fp32 gradient that is bf16-exact lands in its first half as bf16) and, with gradient
+// accumulation, an fp32 accumulator.
 class HostParam {
  public:
   std::size_t numel = 0;
@@ -38,10 +39,17 @@ class HostParam {
   std::int64_t priority = 0;
 
   std::size_t weight_bytes() const { return numel * dtype_size(weight_dtype); }
+  // Whether this fp32 parameter's gradients are still tried as bf16 (see land_gradient), and
+  // whether the last one that has been consumed crossed as bf16.
+  bool packs_gradients() const { return packs_; }
+  bool last_gradient_as_bf16() const { return sent_bf16_; }
 
  private:
   friend class OffloadPipeline;
   std::unique_ptr<TransferSlot> slot_;
+  std::uint32_t* inexact_ = nullptr;  // fp32 weights: Transfer::download_bf16_exact's verdict
+  std::atomic<bool> packs_{false};
+  std::atomic<bool> sent_bf16_{false};
   // Under the pipeline's mutex: jobs enqueued / finished, downloads issued / landed.
   std::uint64_t queued_ = 0;
   std::uint64_t done_ = 0;
@@ -88,7 +96,9 @@ class OffloadPipeline {
   // fp32 gradients lands straight in the accumulator. With device_accumulate, the other
   // micro-batches are added into the accumulator by the transfer (job.accumulate is done there),
   // and no job is queued when nothing else is asked: within an accumulation window the hook then
-  // never waits for the previous micro-batch.
+  // never waits for the previous micro-batch. An fp32 gradient bound for the landing buffer is
+  // sent as bf16 when its values are bf16 (Transfer::download_bf16_exact; lossless, half the
+  // bytes on the bus and in host memory), until the first one of that parameter that is not.
   void land_gradient(const std::shared_ptr<HostParam>& p, std::uintptr_t device_grad,
                      std::uintptr_t producer_stream, const GradJob& job);
 
@@ -109,6 +119,9 @@ class OffloadPipeline {
   bool device_accumulate() const { return device_accumulate_; }
   // Safe at any time: each gradient takes one path, and either path orders itself after the other.
   void set_device_accumulate(bool on) { device_accumulate_ = on; }
+  // Whether bf16-exact fp32 gradients are sent as bf16 (default on); safe at any time.
+  bool pack_gradients() const { return pack_gradients_; }
+  void set_pack_gradients(bool on) { pack_gradients_ = on; }
   std::size_t pending() const;
   std::size_t downloading_bytes() const;
 
@@ -119,9 +132,10 @@ class OffloadPipeline {
     std::uint64_t seq;       // this parameter's job number (1-based)
     std::uint64_t download;  // runs once this many of the parameter's downloads have landed
     std::uint64_t order;     // enqueue order, across parameters
+    bool packed;             // its gradient went through download_bf16_exact
   };
   static void check_accumulator(const HostParam& p, const GradJob& job);
-  void enqueue(const std::shared_ptr<HostParam>& p, const GradJob& job);
+  void enqueue(const std::shared_ptr<HostParam>& p, const GradJob& job, bool packed = false);
   void wait_idle(HostParam& p, std::unique_lock<std::mutex>& lock);
   bool pick_locked(Task& out);
   void run(Task& task);
@@ -132,6 +146,7 @@ class OffloadPipeline {
   HostAdamW engine_;
   std::size_t max_download_bytes_;
   std::atomic<bool> device_accumulate_;
+  std::atomic<bool> pack_gradients_{true};
 
   mutable std::mutex mutex_;
   std::condition_variable work_ready_;

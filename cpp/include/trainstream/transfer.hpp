@@ -40,6 +40,15 @@ class Transfer {
   virtual void accumulate_download(TransferSlot& slot, float* host_acc, const void* device_grad,
                                    DType grad_dtype, std::size_t numel, bool overwrite,
                                    std::uintptr_t producer_stream, std::function<void()> landed) = 0;
+  // Like download(), for an fp32 gradient, sending no more than its values need. When every
+  // element is a bf16 value widened to fp32 (low 16 bits zero, as weight gradients under bf16
+  // autocast are), only the high halves are sent, as bf16, to the start of `host`; otherwise all
+  // four bytes of each element. Once landed, *inexact (host memory from arena()) is 0 if halves
+  // were sent. The caller keeps other users of `host` and `inexact` away until then. This default
+  // always sends four bytes; backends that can test the gradient where it lies override it.
+  virtual void download_bf16_exact(TransferSlot& slot, void* host, const float* device_grad, std::size_t numel,
+                                   std::uint32_t* inexact, std::uintptr_t producer_stream,
+                                   std::function<void()> landed);
   // Block the calling thread until the slot's last download (or accumulate_download) has landed.
   virtual void wait_download(TransferSlot& slot) = 0;
   // Queue a host->device copy on the upload stream and mark the slot's upload point. The host
@@ -64,6 +73,8 @@ class HostTransfer : public Transfer {
   void accumulate_download(TransferSlot&, float* host_acc, const void* device_grad, DType grad_dtype,
                            std::size_t numel, bool overwrite, std::uintptr_t,
                            std::function<void()> landed) override;
+  void download_bf16_exact(TransferSlot&, void* host, const float* device_grad, std::size_t numel,
+                           std::uint32_t* inexact, std::uintptr_t, std::function<void()> landed) override;
   void wait_download(TransferSlot&) override {}
   void upload(TransferSlot&, void* device, const void* host, std::size_t bytes) override;
   void order_after_upload(TransferSlot&, std::uintptr_t) override {}

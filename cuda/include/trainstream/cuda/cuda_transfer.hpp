@@ -33,6 +33,10 @@ class CudaTransfer : public Transfer {
   void accumulate_download(TransferSlot& slot, float* host_acc, const void* device_grad, DType grad_dtype,
                            std::size_t numel, bool overwrite, std::uintptr_t producer_stream,
                            std::function<void()> landed) override;
+  // Two kernels on the download stream (cuda/kernels/pack_bf16.cu).
+  void download_bf16_exact(TransferSlot& slot, void* host, const float* device_grad, std::size_t numel,
+                           std::uint32_t* inexact, std::uintptr_t producer_stream,
+                           std::function<void()> landed) override;
   void wait_download(TransferSlot& slot) override;
   void upload(TransferSlot& slot, void* device, const void* host, std::size_t bytes) override;
   void order_after_upload(TransferSlot& slot, std::uintptr_t stream) override;
