@@ -119,7 +119,7 @@ def run_mode(mode: str, args) -> dict:
         sync = opt.synchronize
         if variant == "hostacc":  # the comparison baseline: micro-batches added by host threads
             opt._pipeline.device_accumulate = False
-        opt._pipeline.pack_gradients = "fp32grads" not in knobs
+        opt.pack_gradients = "fp32grads" not in knobs
         opt._gate_always = "everygate" in knobs
     elif base == "torchao":
         from torchao.optim import CPUOffloadOptimizer  # skipped when missing

@@ -117,7 +117,7 @@ def test_bf16_exact_gradients_cross_as_bf16_without_changing_a_bit(acc, in_vram)
     for pack in (True, False):
         model, opt = make(freeze_first_block=False)
         model, opt = trainstream.wrap(model, opt, accumulation_steps=acc, accumulate_in_vram=in_vram)
-        opt._pipeline.pack_gradients = pack
+        opt.pack_gradients = pack
         with torch.autocast("cpu", dtype=torch.bfloat16):
             train(model, opt, data, wrapped=True)
         runs[pack] = model, opt
@@ -136,6 +136,19 @@ def test_bf16_exact_gradients_cross_as_bf16_without_changing_a_bit(acc, in_vram)
         assert not any(v for n, v in packs.items() if "norm" in n)
         assert 0.5 < share < 1.0
     assert plain_opt.report()["gradients_sent_as_bf16"] == 0.0
+
+
+def test_gradients_are_not_packed_when_paging_is_asked_for():
+    """The pack kernels compete with backward for SMs: a share or a budget of paging turns them
+    off; "auto" (paging only what hides behind compute) and a share of 0 do not."""
+    for activations, packs in (("off", True), (0.0, True), (0.5, False)):
+        model, opt = make()
+        model, opt = trainstream.wrap(model, opt, activations=activations)
+        assert opt._pipeline.pack_gradients is packs, activations
+        opt.pack_gradients = False
+        assert opt._pipeline.pack_gradients is False
+        opt.pack_gradients = True
+        assert opt._pipeline.pack_gradients is packs
 
 
 def test_forward_gates_only_after_new_updates():

@@ -72,7 +72,9 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self._hooks: list = []
         self._uploads_queued = 0  # updates (each ends in an upload) queued so far
         self._gate_always = False  # a benchmark's baseline: every forward pre-hook gates
+        self._pack = True
         self._register(model)
+        self._sync_packing()
 
     # ----------------------------------------------------------------------------- set-up
     def _register(self, model: torch.nn.Module) -> None:
@@ -245,6 +247,25 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self._arrival = []
         self._micro = 0
         return loss
+
+    @property
+    def pack_gradients(self) -> bool:
+        """Send fp32 gradients whose values are bf16 (weight gradients under bf16 autocast) as
+        bf16, losslessly: half the PCIe and host-memory bytes (default True). Not done when a
+        share of activations or a VRAM budget is asked for: the pack kernels take SMs from
+        backward, which that much paging makes the longer side of the step (activations="auto"
+        pages only what hides behind compute)."""
+        return self._pack
+
+    @pack_gradients.setter
+    def pack_gradients(self, on: bool) -> None:
+        self._pack = bool(on)
+        self._sync_packing()
+
+    def _sync_packing(self) -> None:
+        pager = self.activation_pager
+        paging = pager is not None and (pager.vram_budget is not None or bool(pager.share))
+        self._pipeline.pack_gradients = self._pack and not paging
 
     def _clip_coefficient(self) -> float:
         total = self.last_grad_norm
