@@ -97,7 +97,9 @@ def run_mode(mode: str, args) -> dict:
     # every gradient as fp32, '+everygate' gates every forward pre-hook on the uploads.
     knobs = {e for e in extras if e in ("fp32grads", "everygate")}
     variants = [e for e in extras if e not in knobs]
-    variant = variants[0] if len(variants) == 1 else "" if not variants else "?"
+    if len(variants) > 1:
+        raise ValueError(f"unknown mode {mode}: one variant at most besides fp32grads and everygate")
+    variant = variants[0] if variants else ""
     if variant == "ckpt":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     elif variant == "save_on_cpu":
