@@ -52,8 +52,13 @@ if has paging; then  # 1B, batch 4x1024: ways to keep activations, on TrainStrea
   python3 "$repo/benchmarks/train_step.py" --steps 5 --vram-budget 6GB \
     --modes trainstream,trainstream+auto,trainstream+paged,trainstream+ckpt,trainstream+save_on_cpu,gpu-adamw \
     --json "$out/paging_1b.json" --plot "$out/paging_1b.png" 2>&1 | tail -16
-  python3 "$repo/benchmarks/train_step.py" --steps 5 --vram-budget 6GB --weights bf16 \
-    --modes trainstream,trainstream+paged --json "$out/paging_1b_bf16.json" 2>&1 | tail -9
+  python3 "$repo/benchmarks/train_step.py" --steps 10 --vram-budget 6GB --weights bf16 \
+    --modes trainstream,trainstream+paged,trainstream+ckpt,trainstream+save_on_cpu \
+    --json "$out/paging_1b_bf16.json" 2>&1 | tail -9
+  # why paging costs more than its copy time: copies and the host AdamW share host memory
+  python3 "$repo/benchmarks/copy_under_load.py" --json "$out/copy_under_load.json" 2>&1 | tail -6
+  python3 "$repo/benchmarks/step_timeline.py" --mode trainstream+paged --weights bf16 --vram-budget 6GB \
+    --acc 2 --json "$out/timeline_paged_bf16.json" 2>&1 | tail -11
 fi
 if has large; then  # the largest models under a 24 GB VRAM cap (Llama 4096-wide, 202M params a layer)
   # fp32 weights, bf16 autocast, batch 1x1024: 20 layers = 4.3B
@@ -79,4 +84,8 @@ if has sanitize; then
   san memcheck sanitizer_memcheck.log "$repo/tests/test_wrap_gpu.py $repo/tests/test_device_accumulate_gpu.py" \
     "parity_on_gpu and fp32 and not vram or n4099 and float32 and not offset"
   san racecheck sanitizer_racecheck.log "$repo/tests/test_device_accumulate_gpu.py" "n4099 and float32 and not offset"
+  # the bf16 scan and pack kernels: every size and alignment, an inexact value first, last or none
+  pack="$repo/tests/test_grad_packing_gpu.py"
+  san memcheck sanitizer_memcheck_pack.log "$pack" "not middle"
+  san racecheck sanitizer_racecheck_pack.log "$pack" "not middle"
 fi

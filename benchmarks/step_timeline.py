@@ -1,15 +1,17 @@
 """Where a training step's time goes: each micro-batch's forward and backward, GPU and host side.
 
     python benchmarks/step_timeline.py --mode trainstream+vramacc --acc 8 --steps 2
+    python benchmarks/step_timeline.py --mode trainstream+paged --vram-budget 6GB --weights bf16
 
 Same model and modes as train_step.py. For each timed step it prints how long every forward and
 backward took on the GPU (CUDA events on the compute stream) and on the host (Python's clock,
 from the call to its return), then the step: from its first forward to the next step's first
-forward, or for the last step to the moment everything, host threads included, has finished.
-With TrainStream the host update shows up in two places: the window's last backward (gradients
-leave at PCIe speed while the host updates) and the next step's first forward (each module waits
-for the uploads of the weights it reads). Without CUDA the model runs on the CPU and only host
-times are shown.
+forward, or for the last step to the moment everything, host threads included, has finished,
+and when each repeated block (transformer layer) started in the step's first forward, after the
+waits of its forward pre-hooks (weights, activation copies). With TrainStream the host update
+shows up in two places: the window's last backward (gradients leave at PCIe speed while the host
+updates) and the next step's first forward (each module waits for the uploads of the weights it
+reads). Without CUDA the model runs on the CPU and only host times are shown.
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ import torch
 from train_step import add_model_arguments, build_model, loss_of
 
 import trainstream
+from trainstream.activations import find_blocks
 
-MODES = ("gpu-adamw", "trainstream", "trainstream+vramacc")
+MODES = ("gpu-adamw", "trainstream", "trainstream+vramacc", "trainstream+paged")
 
 
 class Marks:
@@ -53,26 +56,46 @@ class Marks:
 def run(args) -> dict:
     device = torch.device(args.device)
     torch.manual_seed(0)
-    with device:
-        model = build_model(args)
+    model = build_model(args, device)
     base, _, variant = args.mode.partition("+")
     fused = device.type == "cuda" and base == "gpu-adamw"
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=fused)
     settle = lambda: None
     if base == "trainstream":
-        model, opt = trainstream.wrap(model, opt, accumulation_steps=args.acc, activations="off",
-                                      accumulate_in_vram=variant == "vramacc")
+        paging = {"activations": "off"}
+        if variant == "paged":
+            paging = {"activations": args.activations, "vram_budget": args.vram_budget}
+        model, opt = trainstream.wrap(model, opt, accumulation_steps=args.acc,
+                                      accumulate_in_vram=variant == "vramacc", **paging)
         settle = opt.synchronize
     g = torch.Generator(device=device).manual_seed(1)
     tokens = torch.randint(0, args.vocab, (args.batch, args.seq), device=device, generator=g)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
     marks = Marks(device.type == "cuda")
+    # When each repeated block (transformer layer) starts in the first forward of a timed step,
+    # after the waits of its forward pre-hooks (weights, paging): where that forward is held up.
+    block_marks = Marks(device.type == "cuda")
+    timed_forward = False
+
+    def block_starts(k: int):
+        def hook(module, args) -> None:
+            if timed_forward:
+                block_marks(f"block {k}")
+        return hook
+
+    for k, block in enumerate(find_blocks(model)[1]):
+        block.register_forward_pre_hook(block_starts(k))
 
     def step(mark) -> None:
+        nonlocal timed_forward
         for i in range(args.acc):
             mark(f"forward {i}")
+            timed_forward = i == 0 and mark is marks
+            if timed_forward:
+                block_marks("forward 0")
             with autocast:
                 loss = loss_of(model, tokens)
+            timed_forward = False
             mark(f"backward {i}")
             (loss / args.acc).backward()
         mark("optimizer.step")
@@ -103,7 +126,11 @@ def run(args) -> dict:
             gpu, host = marks.span(first + k, first + k + 1)
             phases.append({"phase": name, "gpu_ms": gpu, "host_ms": host})
         gpu, host = marks.span(first, first + per_step)
-        steps.append({"phases": phases, "step_gpu_ms": gpu, "step_host_ms": host})
+        per_fwd = len(block_marks.names) // args.steps
+        starts = [block_marks.span(s * per_fwd, s * per_fwd + k) for k in range(1, per_fwd)]
+        steps.append({"phases": phases, "step_gpu_ms": gpu, "step_host_ms": host,
+                      "block_starts_gpu_ms": [g for g, _ in starts],
+                      "block_starts_host_ms": [h for _, h in starts]})
     return {"mode": args.mode, "device": str(device), "acc": args.acc, "steps": steps}
 
 
@@ -117,6 +144,9 @@ def print_timeline(result: dict) -> None:
             print(f"{s:>4}  {p['phase']:<16}{gpu}{p['host_ms']:10.1f}")
         gpu = f"{step['step_gpu_ms']:9.1f}" if cuda else " " * 9
         print(f"{s:>4}  {'whole step':<16}{gpu}{step['step_host_ms']:10.1f}")
+        for side in ("gpu", "host") if cuda else ("host",):
+            starts = " ".join(f"{t:.0f}" for t in step[f"block_starts_{side}_ms"])
+            print(f"{s:>4}  blocks start, {side} ms after forward 0: {starts}")
 
 
 def main(argv=None) -> int:
@@ -126,7 +156,11 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     add_model_arguments(ap)
     ap.add_argument("--steps", type=int, default=2)
-    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--warmup", type=int, default=3,
+                    help="untimed steps first (trainstream+paged profiles in its second)")
+    ap.add_argument("--activations", default="auto",
+                    help="for trainstream+paged: 'auto' or a share in [0, 1]")
+    ap.add_argument("--vram-budget", default=None, help="for trainstream+paged: e.g. 6GB")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():

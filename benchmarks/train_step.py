@@ -30,7 +30,19 @@ import torch
 import trainstream
 
 
-def build_model(args) -> torch.nn.Module:
+def build_model(args, device) -> torch.nn.Module:
+    """The model of the flags, built on `device` in the weights' dtype (no fp32 copy of a bf16
+    model on the way)."""
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16 if args.weights == "bf16" else torch.float32)
+    try:
+        with torch.device(device):
+            return _new_model(args)
+    finally:
+        torch.set_default_dtype(default)
+
+
+def _new_model(args) -> torch.nn.Module:
     try:
         from transformers import LlamaConfig, LlamaForCausalLM
     except ImportError:  # pragma: no cover - transformers is optional
@@ -80,14 +92,7 @@ def deepspeed_engine(model, args):
 
 def run_mode(mode: str, args) -> dict:
     torch.manual_seed(0)
-    dtype = torch.bfloat16 if args.weights == "bf16" else torch.float32
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)  # build in the target dtype: no fp32 copy of a bf16 model
-    try:
-        with torch.device("cuda"):
-            model = build_model(args)
-    finally:
-        torch.set_default_dtype(default)
+    model = build_model(args, "cuda")
     params = sum(p.numel() for p in model.parameters())
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     sync = lambda: None
@@ -180,7 +185,7 @@ def run_mode(mode: str, args) -> dict:
 
 
 def add_model_arguments(ap: argparse.ArgumentParser) -> None:
-    """The model and batch flags (default: the 0.95B Llama at batch 4x1024), and --acc."""
+    """The model and batch flags (default: the 0.95B Llama at batch 4x1024), --acc and --weights."""
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--heads", type=int, default=16)
@@ -189,14 +194,14 @@ def add_model_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--acc", type=int, default=1)
+    ap.add_argument("--weights", choices=["fp32", "bf16"], default="fp32",
+                    help="fp32 weights under bf16 autocast, or bf16 weights")
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_model_arguments(ap)
     ap.add_argument("--clip", type=float, default=None)
-    ap.add_argument("--weights", choices=["fp32", "bf16"], default="fp32",
-                    help="fp32 weights under bf16 autocast, or bf16 weights")
     ap.add_argument("--autocast", action=argparse.BooleanOptionalAction, default=True,
                     help="bf16 autocast (default on; with fp32 weights it caches a bf16 copy of every weight)")
     ap.add_argument("--steps", type=int, default=5)

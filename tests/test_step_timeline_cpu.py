@@ -28,8 +28,11 @@ def test_timeline_accounts_for_every_micro_batch(mode, tmp_path, capsys):
                          "optimizer.step"]
         assert all(p["host_ms"] > 0 and p["gpu_ms"] is None for p in step["phases"])
         assert sum(p["host_ms"] for p in step["phases"]) == pytest.approx(step["step_host_ms"])
+        starts = step["block_starts_host_ms"]  # both layers, in order, within the first forward
+        assert len(starts) == 2 and 0 < starts[0] < starts[1] < step["phases"][0]["host_ms"]
     printed = capsys.readouterr().out
     assert printed.count("whole step") == 2 and "GPU ms" not in printed
+    assert printed.count("blocks start, host ms") == 2
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present")
