@@ -335,3 +335,20 @@ def test_activations_held_outside_autograd_are_reported():
     report = opt.report()["activations"]
     assert report["held_elsewhere_bytes_per_step"] == 0
     assert opt.activation_pager.last.block_bytes[:2] == [2 * h_bytes, 2 * h_bytes]
+
+
+def test_describe_points_to_checkpointing_when_copies_are_exposed(monkeypatch):
+    model = ViewNet()
+    model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters()), activations=1.0)
+    model(torch.randn(64, 48)).backward()
+    opt.step()
+    pager = opt.activation_pager
+    real = pager.report()
+    assert real["paged_bytes_per_step"] > 0
+    timing = {"copy_s_per_step": 0.1, "d2h_GBps": 50.0, "h2d_GBps": 50.0, "forward_s": 0.05}
+    for hidden, paged, hint in ((True, real["paged_bytes_per_step"], False),
+                                (False, real["paged_bytes_per_step"], True),
+                                (False, 0, False)):
+        report = dict(real, **timing, copy_hidden=hidden, paged_bytes_per_step=paged)
+        monkeypatch.setattr(pager, "report", lambda report=report: report)
+        assert ("gradient checkpointing" in pager.describe()) is hint

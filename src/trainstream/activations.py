@@ -575,6 +575,9 @@ class ActivationPager:
             lines.append(f"  copies {r['copy_s_per_step'] * 1e3:.1f} ms each way at {r['d2h_GBps']:.1f}/"
                          f"{r['h2d_GBps']:.1f} GB/s vs forward {r['forward_s'] * 1e3:.1f} ms: "
                          f"{'hidden' if r['copy_hidden'] else 'partly exposed'}")
+            if not r["copy_hidden"] and r["paged_bytes_per_step"]:
+                lines.append("  exposed copies lengthen the step, more so while the host updates (both use "
+                             "host memory); where gradient checkpointing reaches the budget it costs less")
         if r.get("expected_peak_GB") is not None:
             lines.append(f"  peak VRAM expected {r['expected_peak_GB']:.2f} GB, observed "
                          f"{r.get('observed_peak_GB', float('nan')):.2f} GB")
