@@ -352,3 +352,63 @@ def test_describe_points_to_checkpointing_when_copies_are_exposed(monkeypatch):
         report = dict(real, **timing, copy_hidden=hidden, paged_bytes_per_step=paged)
         monkeypatch.setattr(pager, "report", lambda report=report: report)
         assert ("gradient checkpointing" in pager.describe()) is hint
+
+
+class CastBlock(nn.Module):
+    """Three projections of one activation under autocast: three casts of it, or two when it is
+    changed in place in between."""
+
+    def __init__(self, dim, bump):
+        super().__init__()
+        self.q, self.k, self.v = (nn.Linear(dim, dim, bias=False) for _ in range(3))
+        self.bump = bump
+
+    def forward(self, x):
+        h = x * 1.5
+        a = self.q(h)
+        if self.bump:
+            h.mul_(2)  # new values: their cast must not be taken for the first one
+        b, c = self.k(h), self.v(h)
+        return x + (a * b + c).float()
+
+
+class CastNet(nn.Module):
+    def __init__(self, dim, bump):
+        super().__init__()
+        self.layers = nn.ModuleList(CastBlock(dim, bump) for _ in range(3))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x.square().mean()
+
+
+@pytest.mark.parametrize("bump", [False, True], ids=["same", "changed-in-place"])
+def test_repeated_casts_of_an_activation_are_saved_once_and_stay_exact(bump):
+    rows, dim = 8192, 64  # a bf16 cast of 1 MiB: large enough to page
+
+    def train(activations):
+        torch.manual_seed(0)
+        model = CastNet(dim, bump)
+        model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
+                                      activations=activations)
+        g = torch.Generator().manual_seed(3)
+        losses = []
+        for _ in range(3):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(torch.randn(rows, dim, generator=g))
+            loss.backward()
+            losses.append(loss.detach().clone())
+            opt.step()
+        opt.synchronize()
+        return model, opt, losses
+
+    ref, _, ref_losses = train("off")
+    model, opt, losses = train(1.0)  # blocks 0 and 1 paged, block 2 kept
+    assert all(torch.equal(a, b) for a, b in zip(ref_losses, losses))
+    assert all(torch.equal(p, q) for p, q in zip(ref.parameters(), model.parameters()))
+    report = opt.report()["activations"]
+    # blocks 1 and 2; block 0 reads the input, whose casts have no autograd history to go by
+    shared_per_block = (1 if bump else 2) * rows * dim * 2
+    assert report["shared_cast_bytes_per_step"] == 2 * shared_per_block
+    assert report["on_demand_fetches"] == 0

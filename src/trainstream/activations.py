@@ -8,7 +8,8 @@ the compute stream wait for its own copy (an event, no host synchronisation). Pa
 so training is bit-identical with and without it.
 
 Three things are never paged: parameters (and views of them), which stay in VRAM anyway, the
-model's inputs, which the caller holds, and tensors below ``min_bytes``. The bf16 copies that
+model's inputs, which the caller holds, and tensors below ``min_bytes``. A storage saved twice is
+copied once, and so is a cast that autocast repeats for each matmul reading one activation. The bf16 copies that
 autocast makes of fp32 weights are not kept either: backward recasts them from the weights,
 which cannot have changed in between because TrainStream updates a weight only after its
 gradient is complete. That alone frees 2 bytes per
@@ -229,6 +230,7 @@ def _in_backward() -> bool:
 class _StepFigures:
     paged_bytes: int = 0
     recast_bytes: int = 0
+    shared_cast_bytes: int = 0  # repeated casts of one activation, saved as the first
     kept_bytes: int = 0  # eligible-size activations left on the device
     on_demand: int = 0  # unpacks whose copy had not been prefetched
     held_bytes: int = 0  # paged, but still referenced outside autograd when forward ended
@@ -289,6 +291,7 @@ class ActivationPager:
         self._by_storage: dict[int, tuple] = {}
         self._stored_by_block: list[list[weakref.ref]] = [[] for _ in self.blocks]
         self._prefetched: set[int] = set()
+        self._casts: dict[tuple, object] = {}  # an activation's cast -> how it was saved (this forward)
         self._figures = _StepFigures()
         self.last = _StepFigures()  # figures of the last finished forward
         self._times: list = []  # (block, start mark, end mark) for each block run in the timed forward
@@ -332,6 +335,7 @@ class ActivationPager:
         self._by_storage = {}
         self._stored_by_block = [[] for _ in self.blocks]
         self._prefetched = set()
+        self._casts = {}
         self._figures = _StepFigures(block_bytes=[0] * len(self.blocks))
         if self._cuda and (self._timing or self._fresh_plan):  # the profile's peak, then the plan's
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -348,6 +352,7 @@ class ActivationPager:
         self._hooks_ctx.__exit__(None, None, None)
         self._hooks_ctx = None
         self._current = None
+        self._casts = {}
         self._count_held()
         self.last = self._figures
         self._timed = self._timing
@@ -411,15 +416,42 @@ class ActivationPager:
             return t
         base = t._base if t._is_view() else t
         fn = base.grad_fn
+        cast = None
         if fn is not None and type(fn).__name__ == "ToCopyBackward0":
-            source = fn.next_functions[0][0]
+            source, output = fn.next_functions[0]
             param = getattr(source, "variable", None)
             if param is not None and id(param) in self._param_ids and base.numel() == param.numel():
                 self._figures.recast_bytes += base.numel() * base.element_size()
                 return _Recast(param, t)
+            if source is not None:
+                # Autocast casts an activation again for every matmul that reads it (a
+                # transformer's q, k and v projections). The same cast of the same autograd output
+                # holds the same values: an in-place change would have given that output a new
+                # node. So it is saved once.
+                cast = (source, output, base.dtype, base.size(), base.stride(), base.storage_offset())
         block = self._current
         if block is None:
             return t
+        if cast is not None:
+            earlier = self._casts.get(cast)
+            if earlier is not None:
+                self._figures.shared_cast_bytes += t.numel() * t.element_size()
+                return self._same_values(earlier, t)
+        packed = self._pack_activation(t, block)
+        if cast is not None:
+            self._casts[cast] = packed
+        return packed
+
+    @staticmethod
+    def _same_values(earlier, t):
+        """Saves `t` as what `earlier` saved: a tensor with the same values in the same layout."""
+        if isinstance(earlier, _Packed):
+            earlier.stored.unpacks_left += 1
+            return _Packed(earlier.stored, t)
+        same = earlier.tensor.detach().as_strided(t.size(), t.stride(), t.storage_offset())
+        return _Kept(same, earlier.block, earlier.generation)
+
+    def _pack_activation(self, t: torch.Tensor, block: int):
         storage = t.untyped_storage()
         key = storage.data_ptr()
         nbytes = storage.nbytes()
@@ -537,6 +569,7 @@ class ActivationPager:
             "decision": plan.reason if plan else "profiling: every pageable block paged",
             "paged_bytes_per_step": figures.paged_bytes,
             "recast_bytes_per_step": figures.recast_bytes,
+            "shared_cast_bytes_per_step": figures.shared_cast_bytes,
             "kept_bytes_per_step": figures.kept_bytes,
             "on_demand_fetches": figures.on_demand,
             "held_elsewhere_bytes_per_step": figures.held_bytes,
@@ -566,6 +599,7 @@ class ActivationPager:
         lines = [f"activation paging over {r['blocks']}: {r['paged_blocks']} paged ({r['decision']})",
                  (f"  per step: {r['paged_bytes_per_step'] / _GB:.2f} GB paged, "
                   f"{r['recast_bytes_per_step'] / _GB:.2f} GB of weight casts recomputed, "
+                  f"{r['shared_cast_bytes_per_step'] / _GB:.2f} GB of repeated casts saved once, "
                   f"{r['kept_bytes_per_step'] / _GB:.2f} GB kept on the device, "
                   f"{r['on_demand_fetches']} unpacks not prefetched")]
         if r["held_elsewhere_bytes_per_step"]:
