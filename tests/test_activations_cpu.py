@@ -412,3 +412,39 @@ def test_repeated_casts_of_an_activation_are_saved_once_and_stay_exact(bump):
     shared_per_block = (1 if bump else 2) * rows * dim * 2
     assert report["shared_cast_bytes_per_step"] == 2 * shared_per_block
     assert report["on_demand_fetches"] == 0
+
+
+def test_hugging_face_llama_under_autocast_pages_bit_exactly():
+    transformers = pytest.importorskip("transformers")
+
+    def train(activations):
+        config = transformers.LlamaConfig(
+            vocab_size=256, hidden_size=128, intermediate_size=352, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=4, max_position_embeddings=64, use_cache=False)
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(config)
+        model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
+                                      activations=activations)
+        if opt.activation_pager is not None:
+            opt.activation_pager.min_bytes = 0  # page this small model's activations too
+        g = torch.Generator().manual_seed(1)
+        losses = []
+        for _ in range(3):
+            tokens = torch.randint(0, 256, (2, 64), generator=g)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(input_ids=tokens, labels=tokens).loss
+            loss.backward()
+            losses.append(loss.detach())
+            opt.step()
+        opt.synchronize()
+        return model, opt, losses
+
+    ref, _, ref_losses = train("off")
+    model, opt, losses = train(1.0)
+    assert all(torch.equal(a, b) for a, b in zip(ref_losses, losses))
+    assert all(torch.equal(p, q) for p, q in zip(ref.parameters(), model.parameters()))
+    report = opt.report()["activations"]
+    # k and v repeat q's cast of the normed hidden states, up repeats gate's: three repeats of
+    # 2x64x128 bf16 values in each of the three layers
+    assert report["paged_bytes_per_step"] > 0
+    assert report["shared_cast_bytes_per_step"] == 3 * 3 * 2 * 64 * 128 * 2

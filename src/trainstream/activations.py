@@ -9,11 +9,11 @@ so training is bit-identical with and without it.
 
 Three things are never paged: parameters (and views of them), which stay in VRAM anyway, the
 model's inputs, which the caller holds, and tensors below ``min_bytes``. A storage saved twice is
-copied once, and so is a cast that autocast repeats for each matmul reading one activation. The bf16 copies that
-autocast makes of fp32 weights are not kept either: backward recasts them from the weights,
-which cannot have changed in between because TrainStream updates a weight only after its
-gradient is complete. That alone frees 2 bytes per
-parameter of activation memory under autocast.
+copied once, and so is a cast that autocast repeats for each matmul reading one activation. The
+bf16 copies that autocast makes of fp32 weights are not kept either: backward recasts them from
+the weights, which cannot have changed in between because TrainStream updates a weight only
+after its gradient is complete. That alone frees 2 bytes per parameter of activation memory
+under autocast.
 
 Which blocks to page is decided after a profiling step that pages every block but the last and
 measures, per block, the bytes saved and the forward time (a block that did not run in it counts
