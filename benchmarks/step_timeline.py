@@ -22,7 +22,13 @@ import sys
 import time
 
 import torch
-from train_step import add_model_arguments, build_model, loss_of
+from train_step import (
+    add_model_arguments,
+    add_paging_arguments,
+    build_model,
+    loss_of,
+    paging_options,
+)
 
 import trainstream
 from trainstream.activations import find_blocks
@@ -62,11 +68,8 @@ def run(args) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=fused)
     settle = lambda: None
     if base == "trainstream":
-        paging = {"activations": "off"}
-        if variant == "paged":
-            paging = {"activations": args.activations, "vram_budget": args.vram_budget}
         model, opt = trainstream.wrap(model, opt, accumulation_steps=args.acc,
-                                      accumulate_in_vram=variant == "vramacc", **paging)
+                                      accumulate_in_vram=variant == "vramacc", **paging_options(variant, args))
         settle = opt.synchronize
     g = torch.Generator(device=device).manual_seed(1)
     tokens = torch.randint(0, args.vocab, (args.batch, args.seq), device=device, generator=g)
@@ -158,9 +161,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--warmup", type=int, default=3,
                     help="untimed steps first (trainstream+paged profiles in its second)")
-    ap.add_argument("--activations", default="auto",
-                    help="for trainstream+paged: 'auto' or a share in [0, 1]")
-    ap.add_argument("--vram-budget", default=None, help="for trainstream+paged: e.g. 6GB")
+    add_paging_arguments(ap)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():

@@ -115,13 +115,9 @@ def run_mode(mode: str, args) -> dict:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=True)
     elif base == "trainstream":
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
-        paging = {"paged": {"activations": args.activations, "vram_budget": args.vram_budget},
-                  "auto": {"activations": "auto"}}.get(variant, {"activations": "off"})
-        if variant in ("paged", "auto"):
-            paging["prefetch_depth"] = args.prefetch_depth
         t0 = time.perf_counter()
         model, opt = trainstream.wrap(model, opt, accumulation_steps=args.acc, max_grad_norm=args.clip,
-                                      accumulate_in_vram=variant == "vramacc", **paging)
+                                      accumulate_in_vram=variant == "vramacc", **paging_options(variant, args))
         setup_s = time.perf_counter() - t0
         sync = opt.synchronize
         if variant == "hostacc":  # the comparison baseline: micro-batches added by host threads
@@ -198,6 +194,26 @@ def add_model_arguments(ap: argparse.ArgumentParser) -> None:
                     help="fp32 weights under bf16 autocast, or bf16 weights")
 
 
+def add_paging_arguments(ap: argparse.ArgumentParser) -> None:
+    """How the trainstream+paged and +auto modes page activations (see paging_options)."""
+    ap.add_argument("--activations", default="auto",
+                    type=lambda text: text if text in ("auto", "off") else float(text),
+                    help="for the trainstream+paged mode: 'auto' or a share in [0, 1]")
+    ap.add_argument("--vram-budget", default=None, help="for trainstream+paged: e.g. 6GB")
+    ap.add_argument("--prefetch-depth", type=int, default=1,
+                    help="for trainstream+paged/+auto: blocks prefetched ahead in backward")
+
+
+def paging_options(variant: str, args) -> dict:
+    """wrap()'s activation arguments for a trainstream mode's variant ('paged', 'auto' or other)."""
+    if variant == "paged":
+        return {"activations": args.activations, "vram_budget": args.vram_budget,
+                "prefetch_depth": args.prefetch_depth}
+    if variant == "auto":
+        return {"activations": "auto", "prefetch_depth": args.prefetch_depth}
+    return {"activations": "off"}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_model_arguments(ap)
@@ -208,11 +224,7 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--vram-cap-gb", type=float, default=None,
                     help="cap this process's VRAM (torch.cuda.set_per_process_memory_fraction)")
-    ap.add_argument("--activations", default="auto",
-                    help="for the trainstream+paged mode: 'auto' or a share in [0, 1]")
-    ap.add_argument("--vram-budget", default=None, help="for trainstream+paged: e.g. 6GB")
-    ap.add_argument("--prefetch-depth", type=int, default=1,
-                    help="for trainstream+paged/+auto: blocks prefetched ahead in backward")
+    add_paging_arguments(ap)
     ap.add_argument("--modes", default="gpu-adamw,trainstream,torchao",
                     help="comma list of gpu-adamw, trainstream, torchao, deepspeed; a '+ckpt' (gradient "
                          "checkpointing), '+save_on_cpu' (torch's save_on_cpu), '+paged' (our "
@@ -225,8 +237,6 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)
     args = ap.parse_args(argv)
-    if args.activations not in ("auto", "off"):
-        args.activations = float(args.activations)
     if not torch.cuda.is_available():
         print("train_step.py needs a CUDA GPU", file=sys.stderr)
         return 2

@@ -39,3 +39,10 @@ def test_timeline_accounts_for_every_micro_batch(mode, tmp_path, capsys):
 def test_cuda_without_gpu_says_so(capsys):
     assert step_timeline.main(["--device", "cuda"]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_paged_mode_takes_a_share_of_activations(tmp_path):
+    out = tmp_path / "timeline.json"
+    args = [*TINY, "--layers", "3", "--mode", "trainstream+paged", "--activations", "0.5", "--json", str(out)]
+    assert step_timeline.main(args) == 0
+    assert json.loads(out.read_text())["mode"] == "trainstream+paged"
