@@ -50,11 +50,11 @@ if has timeline; then  # one accumulation window, forward by backward, against G
 fi
 if has paging; then  # 1B, batch 4x1024: ways to keep activations, on TrainStream
   python3 "$repo/benchmarks/train_step.py" --steps 5 --vram-budget 6GB \
-    --modes trainstream,trainstream+auto,trainstream+paged,trainstream+ckpt,trainstream+save_on_cpu,gpu-adamw \
-    --json "$out/paging_1b.json" --plot "$out/paging_1b.png" 2>&1 | tail -16
+    --modes trainstream,trainstream+auto,trainstream+paged,trainstream+paged+pageonly,trainstream+ckpt,trainstream+save_on_cpu,gpu-adamw \
+    --json "$out/paging_1b.json" --plot "$out/paging_1b.png" 2>&1 | tail -24
   python3 "$repo/benchmarks/train_step.py" --steps 10 --vram-budget 6GB --weights bf16 \
-    --modes trainstream,trainstream+paged,trainstream+ckpt,trainstream+save_on_cpu \
-    --json "$out/paging_1b_bf16.json" 2>&1 | tail -9
+    --modes trainstream,trainstream+paged,trainstream+paged+pageonly,trainstream+ckpt,trainstream+save_on_cpu \
+    --json "$out/paging_1b_bf16.json" 2>&1 | tail -16
   # why paging costs more than its copy time: copies and the host AdamW share host memory
   python3 "$repo/benchmarks/copy_under_load.py" --json "$out/copy_under_load.json" 2>&1 | tail -6
   python3 "$repo/benchmarks/step_timeline.py" --mode trainstream+paged --weights bf16 --vram-budget 6GB \

@@ -99,17 +99,20 @@ def run_mode(mode: str, args) -> dict:
     saving = contextlib.nullcontext  # how forward keeps its activations
     base, *extras = mode.split("+")
     # Baselines for TrainStream's own choices, added to any trainstream mode: '+fp32grads' sends
-    # every gradient as fp32, '+everygate' gates every forward pre-hook on the uploads.
-    knobs = {e for e in extras if e in ("fp32grads", "everygate")}
-    variants = [e for e in extras if e not in knobs]
-    if len(variants) > 1:
-        raise ValueError(f"unknown mode {mode}: one variant at most besides fp32grads and everygate")
+    # every gradient as fp32, '+everygate' gates every forward pre-hook on the uploads,
+    # '+pageonly' meets a VRAM budget by paging alone (no recomputed blocks).
+    # '+ckpt' or '+save_on_cpu' may come with one of TrainStream's variants: 'trainstream+ckpt+auto'.
+    knobs = {e for e in extras if e in ("fp32grads", "everygate", "pageonly")}
+    keeping = [e for e in extras if e in ("ckpt", "save_on_cpu")]
+    variants = [e for e in extras if e not in knobs and e not in keeping]
+    if len(variants) > 1 or len(keeping) > 1:
+        raise ValueError(f"unknown mode {mode}: one variant at most besides ckpt/save_on_cpu and the baselines")
     variant = variants[0] if variants else ""
-    if variant == "ckpt":
+    if keeping == ["ckpt"]:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    elif variant == "save_on_cpu":
+    elif keeping == ["save_on_cpu"]:
         saving = lambda: torch.autograd.graph.save_on_cpu(pin_memory=True)
-    elif variant not in ("", "paged", "auto", "hostacc", "vramacc"):
+    if variant not in ("", "paged", "auto", "hostacc", "vramacc"):
         raise ValueError(f"unknown mode {mode}")
     if base == "gpu-adamw":
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=True)
@@ -117,7 +120,8 @@ def run_mode(mode: str, args) -> dict:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
         t0 = time.perf_counter()
         model, opt = trainstream.wrap(model, opt, accumulation_steps=args.acc, max_grad_norm=args.clip,
-                                      accumulate_in_vram=variant == "vramacc", **paging_options(variant, args))
+                                      accumulate_in_vram=variant == "vramacc", recompute="pageonly" not in knobs,
+                                      **paging_options(variant, args))
         setup_s = time.perf_counter() - t0
         sync = opt.synchronize
         if variant == "hostacc":  # the comparison baseline: micro-batches added by host threads
@@ -227,13 +231,14 @@ def main(argv=None) -> int:
     add_paging_arguments(ap)
     ap.add_argument("--modes", default="gpu-adamw,trainstream,torchao",
                     help="comma list of gpu-adamw, trainstream, torchao, deepspeed; a '+ckpt' (gradient "
-                         "checkpointing), '+save_on_cpu' (torch's save_on_cpu), '+paged' (our "
+                         "checkpointing) or '+save_on_cpu' (torch's save_on_cpu) suffix, a '+paged' (our "
                          "activation paging with --activations/--vram-budget) or '+auto' (our "
-                         "paging, automatic) suffix changes how activations are kept; "
+                         "paging, automatic) suffix, or one of each, changes how activations are kept; "
                          "trainstream+hostacc adds micro-batch gradients on host threads, "
                          "trainstream+vramacc sums them in VRAM (accumulate_in_vram); a further "
-                         "'+fp32grads' (no bf16 gradient transfer) or '+everygate' (no skipped "
-                         "forward gates) on a trainstream mode gives a baseline for that choice")
+                         "'+fp32grads' (no bf16 gradient transfer), '+everygate' (no skipped "
+                         "forward gates) or '+pageonly' (a VRAM budget met without recomputing "
+                         "blocks) on a trainstream mode gives a baseline for that choice")
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)
     args = ap.parse_args(argv)

@@ -14,7 +14,7 @@ from torch.utils.checkpoint import checkpoint
 
 import trainstream
 from trainstream import activations
-from trainstream.activations import Profile, find_blocks, parse_bytes, plan_paging
+from trainstream.activations import Plan, Profile, find_blocks, parse_bytes, plan_paging
 
 
 @pytest.fixture(autouse=True)
@@ -72,6 +72,7 @@ def test_parse_bytes_refuses(bad):
     (dict(activations=1.5), ValueError),
     (dict(activations="off", vram_budget="10GB"), ValueError),
     (dict(vram_budget="10GB"), trainstream.UnsupportedSetupError),  # a CPU model
+    (dict(recompute="yes"), TypeError),
 ])
 def test_wrap_refuses_bad_activation_options(kwargs, error):
     model = TinyLM()
@@ -79,9 +80,9 @@ def test_wrap_refuses_bad_activation_options(kwargs, error):
         trainstream.wrap(model, torch.optim.AdamW(model.parameters()), **kwargs)
 
 
-def profile(n=8, block_gb=1.0, block_ms=20.0, bw_gbps=50.0, peak_gb=None):
+def profile(n=8, block_gb=1.0, block_ms=20.0, bw_gbps=50.0, peak_gb=None, input_gb=0.0):
     return Profile([int(block_gb * 1e9)] * n, [block_ms / 1e3] * n, bw_gbps * 1e9, bw_gbps * 1e9,
-                   None if peak_gb is None else int(peak_gb * 1e9))
+                   None if peak_gb is None else int(peak_gb * 1e9), [int(input_gb * 1e9)] * n)
 
 
 def test_policy_auto_pages_what_hides():
@@ -115,6 +116,37 @@ def test_policy_budget_pages_until_it_fits():
     assert plan.paged_blocks == 8 and plan.budget_met is False
     # a budget never pages less than auto would
     assert plan_paging(profile(block_ms=20.0, peak_gb=10.0), vram_budget=int(100e9)).paged_blocks == 7
+
+
+def test_policy_budget_recomputes_before_it_pages_exposed():
+    # no copy hides (1 ms of compute per 1 GB block); a recomputed block keeps its 0.1 GB input.
+    # Nothing paged or recomputed: 17 GB; each recomputed block takes 0.9 GB off.
+    slow = profile(block_ms=1.0, peak_gb=10.0, input_gb=0.1)
+    plan = plan_paging(slow, vram_budget=int(13.5e9), recompute=True)
+    assert plan.paged_blocks == 0 and plan.recomputed == (0, 1, 2, 3) and plan.budget_met
+    assert plan.expected_peak_bytes == pytest.approx(13.4e9)
+    assert plan.recompute_seconds == pytest.approx(4e-3) and plan.copy_seconds == 0.0
+    plan = plan_paging(slow, vram_budget=int(10.5e9), recompute=True)
+    assert plan.paged_blocks == 0 and plan.recomputed == tuple(range(8)) and plan.budget_met
+    # recomputing all is 9.8 GB: above 9.5, so the inputs of the first recomputed blocks are paged
+    plan = plan_paging(slow, vram_budget=int(9.5e9), recompute=True)
+    assert plan.paged_blocks == 3 and plan.recomputed == tuple(range(8)) and plan.budget_met
+    assert plan.paged_bytes == pytest.approx(0.3e9) and not plan.hidden  # 2 ms of copies a block, 1 of compute
+    # at 3 ms of compute a block, no whole block's copy hides (20 ms), but the inputs' copies do
+    plan = plan_paging(profile(block_ms=3.0, peak_gb=10.0, input_gb=0.1), vram_budget=int(9.5e9), recompute=True)
+    assert plan.paged_blocks == 3 and plan.recomputed == tuple(range(8)) and plan.hidden
+    plan = plan_paging(slow, vram_budget=int(8e9), recompute=True)
+    assert plan.paged_blocks == 8 and plan.recomputed == tuple(range(8)) and plan.budget_met is False
+    # copies that hide still go first; recomputing starts after them
+    plan = plan_paging(profile(block_ms=20.0, peak_gb=10.0, input_gb=0.1), vram_budget=int(9.5e9),
+                       recompute=True)
+    assert plan.paged_blocks == 7 and plan.recomputed == (7,) and plan.hidden
+    # a budget already met changes nothing
+    assert plan_paging(slow, vram_budget=int(20e9), recompute=True).recomputed == ()
+    # blocks that the model checkpoints itself keep only their inputs: nothing to gain there
+    done = Profile([int(0.1e9)] * 8, [1e-3] * 8, 50e9, 50e9, int(10e9), [int(0.1e9)] * 8)
+    plan = plan_paging(done, vram_budget=int(10.45e9), recompute=True)
+    assert plan.recomputed == () and plan.paged_blocks == 3
 
 
 # ------------------------------------------------------------------- bit-exact paging
@@ -153,10 +185,12 @@ class ViewNet(nn.Module):
         return x.square().mean()
 
 
-def run(model_fn, steps=4, **wrap_kwargs):
+def run(model_fn, steps=4, setup=None, **wrap_kwargs):
     torch.manual_seed(0)
     model = model_fn()
     model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2), **wrap_kwargs)
+    if setup is not None:
+        setup(opt.activation_pager)
     g = torch.Generator().manual_seed(3)
     losses = []
     for _ in range(steps):
@@ -185,6 +219,80 @@ def test_paging_is_bit_exact_with_views_and_checkpointing(ckpt):
         assert report["on_demand_fetches"] == 0  # every block was prefetched before its backward
     else:  # checkpointed blocks keep only their inputs, and checkpoint handles those
         assert report["paged_bytes_per_step"] == 0
+
+
+class DropBlock(ViewBlock):
+    """ViewBlock with dropout: recomputing it must draw the same mask."""
+
+    def forward(self, x):
+        return super().forward(nn.functional.dropout(x, 0.3, training=True))
+
+
+class DropNet(ViewNet):
+    def __init__(self, layers=4):
+        super().__init__(layers=layers)
+        self.layers = nn.ModuleList(DropBlock(48) for _ in range(layers))
+
+
+@pytest.mark.parametrize("paged", [1, 3], ids=["inputs-kept", "inputs-paged"])
+def test_recomputed_blocks_are_bit_exact_and_prefetch_the_paged_ones(paged):
+    def recompute_three(pager):  # block 0 paged; blocks 1 to 3 recomputed, the inputs of those < paged paged
+        pager._apply_plan(Plan(paged, 3, "test", recomputed=(1, 2, 3)))
+
+    ref, _, ref_losses = run(DropNet, activations="off")
+    model, opt, losses = run(DropNet, activations=1.0, setup=recompute_three)
+    assert all(torch.equal(a, b) for a, b in zip(ref_losses, losses))
+    assert all(torch.equal(p, q) for p, q in zip(ref.parameters(), model.parameters()))
+    report = opt.report()["activations"]
+    assert report["paged_blocks"] == paged and report["recomputed_blocks"] == 3
+    # a recomputed block saves only its input (64x48 fp32), through checkpoint
+    assert report["kept_bytes_per_step"] == (4 - paged) * 64 * 48 * 4
+    assert report["on_demand_fetches"] == 0  # each recompute prefetched the block before it
+    assert "3 recomputed" in opt.activation_pager.describe()
+    assert all("forward" in vars(layer) for layer in model.layers[1:])
+    opt.remove_hooks()
+    assert not any("forward" in vars(layer) for layer in model.layers)
+
+
+class CacheBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(48, 48)
+
+    def forward(self, x, past_key_values=None):
+        h = self.linear(x)
+        if past_key_values is not None:  # like a KV cache: an entry per call
+            past_key_values.append(h.detach())
+        return torch.tanh(h) + x
+
+
+class CacheNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(CacheBlock() for _ in range(3))
+
+    def forward(self, x, cache=None):
+        for layer in self.layers:
+            x = layer(x, past_key_values=cache)
+        return x.square().mean()
+
+
+def test_blocks_that_update_a_cache_are_not_recomputed():
+    torch.manual_seed(0)
+    model, ref = CacheNet(), CacheNet()
+    ref.load_state_dict(model.state_dict())
+    pager = activations.ActivationPager(model, device=torch.device("cpu"), share=0.0, vram_budget=None)
+    pager._apply_plan(Plan(0, 2, "test", recomputed=(1, 2)))
+    x = torch.randn(64, 48)
+    cache = []
+    with pytest.warns(UserWarning, match="use_cache=False"):
+        model(x, cache).backward()
+    assert len(cache) == 3  # each block ran once
+    ref(x, []).backward()
+    assert all(torch.equal(p.grad, r.grad) for p, r in zip(model.parameters(), ref.parameters()))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(x).backward()  # no cache: recomputed, silently
 
 
 def test_storage_saved_twice_is_paged_once():
@@ -271,14 +379,19 @@ def test_auto_profile_finishes_when_a_block_does_not_run():
     model, ref = SkipsOne(), SkipsOne()
     ref.load_state_dict(model.state_dict())
     pager = ActivationPager(model, device=torch.device("cpu"), share=None, vram_budget=None)
+    settled = []
+    pager.settle = lambda: settled.append(pager._forwards)
     x = torch.randn(32, 64)
     for _ in range(3):  # cold forward, timed forward, then the plan
         model.zero_grad()
         model(x).backward()
+    assert settled == [1]  # before the timed forward only
     assert pager.report()["state"] == "paging"
     assert pager.profile.block_bytes[2] == 0 and pager.profile.block_seconds[2] == 0.0
     assert pager.profile.block_seconds[0] > 0 and pager.profile.block_bytes[0] > 0
     assert pager.plan.paged_blocks == 3  # host copies cost nothing here: every pageable block
+    # what a recomputed block would keep: block 0 reads the model's input (held by the caller)
+    assert pager.profile.block_input_bytes == [0, 32 * 64 * 4, 0, 32 * 64 * 4]
     ref(x).backward()
     for p, r in zip(model.parameters(), ref.parameters()):
         assert (p.grad is None and r.grad is None) or torch.equal(p.grad, r.grad)  # block 2: None
@@ -337,7 +450,7 @@ def test_activations_held_outside_autograd_are_reported():
     assert opt.activation_pager.last.block_bytes[:2] == [2 * h_bytes, 2 * h_bytes]
 
 
-def test_describe_points_to_checkpointing_when_copies_are_exposed(monkeypatch):
+def test_describe_points_to_recomputing_when_copies_are_exposed(monkeypatch):
     model = ViewNet()
     model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters()), activations=1.0)
     model(torch.randn(64, 48)).backward()
@@ -351,7 +464,7 @@ def test_describe_points_to_checkpointing_when_copies_are_exposed(monkeypatch):
                                 (False, 0, False)):
         report = dict(real, **timing, copy_hidden=hidden, paged_bytes_per_step=paged)
         monkeypatch.setattr(pager, "report", lambda report=report: report)
-        assert ("gradient checkpointing" in pager.describe()) is hint
+        assert ("recomputes blocks" in pager.describe()) is hint
 
 
 class CastBlock(nn.Module):
@@ -414,7 +527,8 @@ def test_repeated_casts_of_an_activation_are_saved_once_and_stay_exact(bump):
     assert report["on_demand_fetches"] == 0
 
 
-def test_hugging_face_llama_under_autocast_pages_bit_exactly():
+@pytest.mark.parametrize("recompute", [False, True], ids=["paged", "recomputed"])
+def test_hugging_face_llama_under_autocast_pages_bit_exactly(recompute):
     transformers = pytest.importorskip("transformers")
 
     def train(activations):
@@ -427,6 +541,8 @@ def test_hugging_face_llama_under_autocast_pages_bit_exactly():
                                       activations=activations)
         if opt.activation_pager is not None:
             opt.activation_pager.min_bytes = 0  # page this small model's activations too
+            if recompute:  # layer 0 paged, layers 1 and 2 recomputed (with the layers' keyword arguments)
+                opt.activation_pager._apply_plan(Plan(1, 2, "test", recomputed=(1, 2)))
         g = torch.Generator().manual_seed(1)
         losses = []
         for _ in range(3):
@@ -445,6 +561,6 @@ def test_hugging_face_llama_under_autocast_pages_bit_exactly():
     assert all(torch.equal(p, q) for p, q in zip(ref.parameters(), model.parameters()))
     report = opt.report()["activations"]
     # k and v repeat q's cast of the normed hidden states, up repeats gate's: three repeats of
-    # 2x64x128 bf16 values in each of the three layers
+    # 2x64x128 bf16 values in each layer that the pager sees (a recomputed one it does not)
     assert report["paged_bytes_per_step"] > 0
-    assert report["shared_cast_bytes_per_step"] == 3 * 3 * 2 * 64 * 128 * 2
+    assert report["shared_cast_bytes_per_step"] == (1 if recompute else 3) * 3 * 2 * 64 * 128 * 2

@@ -8,7 +8,7 @@ import torch
 from tiny_models import TinyLM
 
 import trainstream
-from trainstream.activations import ActivationPager
+from trainstream.activations import ActivationPager, Plan
 
 pytestmark = pytest.mark.gpu
 
@@ -25,12 +25,15 @@ def tiny(dtype, dim=512, layers=6):
     return TinyLM(vocab=1000, dim=dim, layers=layers, heads=8, seq=512).to(DEVICE, dtype)
 
 
-def train_with_pager(dtype, share, steps=5, dim=512, layers=6, batch=8):
+def train_with_pager(dtype, share, steps=5, dim=512, layers=6, batch=8, plan=None):
     """Plain torch AdamW on the GPU; the pager (if any) is the only difference between runs."""
     model = tiny(dtype, dim, layers)
     pager = None if share is None else ActivationPager(model, device=DEVICE, share=share, vram_budget=None)
+    if plan is not None:
+        pager._apply_plan(plan)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     history, peaks = [], []
+    before = torch.cuda.memory_allocated()  # what an earlier run still holds
     for step in range(steps):
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -38,7 +41,7 @@ def train_with_pager(dtype, share, steps=5, dim=512, layers=6, batch=8):
             loss = model.loss(tokens(step, batch=batch))
         loss.backward()
         torch.cuda.synchronize()
-        peaks.append(torch.cuda.max_memory_allocated())
+        peaks.append(torch.cuda.max_memory_allocated() - before)
         history.append((loss.detach().clone(), [p.grad.clone() for p in model.parameters()]))
         opt.step()
         opt.zero_grad()
@@ -54,6 +57,21 @@ def test_paging_is_bit_exact(dtype):
     assert report["paged_blocks"] == 5 and report["paged_bytes_per_step"] > 0
     if dtype == torch.float32:
         assert report["recast_bytes_per_step"] > 0
+    for (loss_a, grads_a), (loss_b, grads_b) in zip(ref, got):
+        assert torch.equal(loss_a, loss_b)
+        assert all(torch.equal(a, b) for a, b in zip(grads_a, grads_b))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32-autocast", "bf16-weights"])
+def test_recomputed_blocks_are_bit_exact(dtype):
+    # block 0 paged, block 1 recomputed from its paged input, block 2 kept, 3 to 5 recomputed
+    ref, ref_peaks, _ = train_with_pager(dtype, None)
+    got, peaks, pager = train_with_pager(dtype, 1.0, plan=Plan(2, 5, "test", recomputed=(1, 3, 4, 5)))
+    report = pager.report()
+    print(pager.describe())
+    print(f"peaks without the pager {[round(p / 1e6) for p in ref_peaks]} MB, with it {[round(p / 1e6) for p in peaks]} MB")
+    assert report["recomputed_blocks"] == 4 and report["on_demand_fetches"] == 0
+    assert max(peaks[1:]) < max(ref_peaks[1:])
     for (loss_a, grads_a), (loss_b, grads_b) in zip(ref, got):
         assert torch.equal(loss_a, loss_b)
         assert all(torch.equal(a, b) for a, b in zip(grads_a, grads_b))
@@ -117,25 +135,31 @@ def test_peak_vram_drops_by_what_is_paged():
     assert drop >= 0.8 * paged
 
 
-def test_vram_budget_is_met_and_reported():
+@pytest.mark.parametrize("recompute", [False, True], ids=["paging", "recomputing"])
+def test_vram_budget_is_met_and_reported(recompute):
     opt, kept = wrapped_run(activations=0.0)
     opt.remove_hooks()
     opt, paged = wrapped_run(activations=1.0)
     opt.remove_hooks()
     budget = (kept + paged) // 2
-    opt, peak = wrapped_run(vram_budget=budget)
+    opt, peak = wrapped_run(vram_budget=budget, recompute=recompute)
     pager = opt.activation_pager
     report = pager.report()
     print(f"budget {budget / 1e9:.3f} GB (nothing paged {kept / 1e9:.3f}, all paged {paged / 1e9:.3f}), "
-          f"last step peak {peak / 1e9:.3f} GB")
+          f"last step peak {peak / 1e9:.3f} GB, expected {report['expected_peak_GB']:.3f} GB")
     print(pager.describe())
     assert report["state"] == "paging" and report["budget_met"]
-    assert 0 < report["paged_blocks"] < report["pageable_blocks"]
+    if recompute:  # what hides is paged, the rest recomputed
+        assert report["recomputed_blocks"] > 0 and report["recompute_s"] > 0
+    else:
+        assert 0 < report["paged_blocks"] < report["pageable_blocks"]
+        assert report["recomputed_blocks"] == 0
     assert peak <= budget
     assert report["d2h_GBps"] > 1 and report["forward_s"] > 0
 
 
-def test_huggingface_llama_with_attention_mask_is_bit_exact():
+@pytest.mark.parametrize("recompute", [False, True], ids=["paged", "recomputed"])
+def test_huggingface_llama_with_attention_mask_is_bit_exact(recompute):
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(vocab_size=1000, hidden_size=512, intermediate_size=1376,
                                       num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8,
@@ -146,11 +170,13 @@ def test_huggingface_llama_with_attention_mask_is_bit_exact():
         torch.manual_seed(0)
         model = transformers.LlamaForCausalLM(config).to(DEVICE)
         pager = None if share is None else ActivationPager(model, device=DEVICE, share=share, vram_budget=None)
+        if pager is not None and recompute:  # layers 0 and 1 paged, 2 and 3 recomputed (with keyword arguments)
+            pager._apply_plan(Plan(2, 3, "test", recomputed=(2, 3)))
         ids = tokens(0, batch=4, seq=256)
         mask = torch.ones_like(ids)
         mask[:, :17] = 0  # left padding
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = model(input_ids=ids, attention_mask=mask, labels=ids).loss
+            loss = model(input_ids=ids, attention_mask=mask, labels=ids, use_cache=False).loss
         loss.backward()
         return loss.detach(), [p.grad for p in model.parameters()], pager
 

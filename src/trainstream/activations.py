@@ -21,8 +21,11 @@ as empty), plus the copy bandwidth:
 
 * ``"auto"``: page the leading blocks whose copies hide behind the forward compute,
 * a share in [0, 1]: page that share of the pageable blocks,
-* ``vram_budget``: page as many as it takes to keep the peak under the budget, the last block
-  too if need be (the exposed copy time is accepted and reported).
+* ``vram_budget``: page the blocks whose copies hide, then recompute as many of the others as it
+  takes to keep the peak under the budget (non-reentrant checkpointing of the block, whose forward
+  runs again in backward: deterministic kernels give the same bits); if that is not enough, or
+  with ``recompute=False``, page more, the last block too if need be (the exposed copy time is
+  accepted and reported).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import weakref
 from dataclasses import dataclass, field
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from trainstream._native import _C
 
@@ -88,11 +92,12 @@ class Profile:
     d2h_bytes_per_s: float
     h2d_bytes_per_s: float
     peak_bytes: int | None = None  # peak VRAM of the profiled step (every pageable block paged)
+    block_input_bytes: list[int] | None = None  # what a recomputed block still holds: its inputs
 
 
 @dataclass
 class Plan:
-    paged_blocks: int  # blocks 0 .. paged_blocks-1 are paged
+    paged_blocks: int  # blocks 0 .. paged_blocks-1 are paged (a recomputed one: its inputs)
     pageable_blocks: int
     reason: str
     paged_bytes: int = 0
@@ -101,26 +106,40 @@ class Plan:
     hidden: bool = True  # the copies fit behind the forward compute
     expected_peak_bytes: int | None = None
     budget_met: bool | None = None
+    recomputed: tuple[int, ...] = ()  # blocks whose forward runs again in backward (checkpointed)
+    recompute_seconds: float = 0.0  # their forward time, added to backward
 
 
 def plan_paging(profile: Profile, *, share: float | None = None, vram_budget: int | None = None,
-                keep_last: int = 1) -> Plan:
-    """Decide how many leading blocks to page. Pure function of the profile: tested on CPU.
+                keep_last: int = 1, recompute: bool = False) -> Plan:
+    """Decide how many leading blocks to page, and which to recompute. Pure function of the
+    profile: tested on CPU.
 
     Leading blocks are paged first: their activations wait longest for backward. "auto" and a
     share never page the last ``keep_last`` blocks, which backward needs first, so that their
     copies could not hide; a VRAM budget pages them too when it must, their copy back exposed.
+
+    With ``recompute``, a VRAM budget that the hidden copies do not reach is met by recomputing
+    the following blocks instead: a recomputed block keeps only its inputs and runs its forward
+    again in backward, which costs far less than a copy that cannot hide (a 0.44 GB block of a
+    1B Llama copies in 8 ms each way and computes its forward in 4 ms). If that is not enough,
+    more leading blocks are paged; for a recomputed block that means its inputs only.
     """
     n = len(profile.block_bytes)
     pageable = max(0, n - keep_last)
     sizes, times = profile.block_bytes, profile.block_seconds
+    inputs = profile.block_input_bytes or [0] * n
     bandwidth = min(profile.d2h_bytes_per_s, profile.h2d_bytes_per_s)
+    recomputed: list[int] = []
+
+    def copied_bytes(i: int) -> int:  # what paging block i copies: a recomputed block's inputs only
+        return inputs[i] if i in recomputed else sizes[i]
 
     def hidden(k: int) -> bool:
         # block i's copy may run while blocks up to i+1 compute: the copy stream may lag one block
         copied, computed = 0.0, 0.0
         for i in range(k):
-            copied += sizes[i] / bandwidth
+            copied += copied_bytes(i) / bandwidth
             computed += times[i]
             if copied > computed + (times[i + 1] if i + 1 < n else 0.0):
                 return False
@@ -137,24 +156,34 @@ def plan_paging(profile: Profile, *, share: float | None = None, vram_budget: in
     expected = None
     met = None
     if profile.peak_bytes is not None:
-        def peak(m):  # the profile paged the pageable blocks: add back what stays, drop what goes
-            return profile.peak_bytes + sum(sizes[m:pageable]) - sum(sizes[pageable:m])
+        profiled = sum(sizes[pageable:])  # the profile paged the pageable blocks and kept the rest
+
+        def peak(paged, redo):  # what each block keeps on the device: nothing, its inputs, or all
+            held = sum(0 if i < paged else inputs[i] if i in redo else sizes[i] for i in range(n))
+            return profile.peak_bytes + held - profiled
+
         if vram_budget is not None:
-            need = k  # a budget may page the last blocks too, their copy back exposed
-            while need < n and peak(need) > vram_budget:
-                need += 1
-            if need > k:
-                k = need
+            start = k
+            if recompute:
+                for i in range(k, n):
+                    if peak(k, recomputed) <= vram_budget:
+                        break
+                    if sizes[i] > inputs[i]:  # a block checkpointed by the model itself gains nothing
+                        recomputed.append(i)
+            while k < n and peak(k, recomputed) > vram_budget:
+                k += 1
+            if k > start or recomputed:
                 reason = f"vram_budget={vram_budget / _GB:.2f} GB"
-            met = peak(k) <= vram_budget
+            met = peak(k, recomputed) <= vram_budget
             if not met:
-                reason += " (not met by paging alone: every block is paged)"
-        expected = peak(k)
-    paged_bytes = sum(sizes[:k])
+                reason += " (not met: every block is paged or recomputed)"
+        expected = peak(k, recomputed)
+    paged_bytes = sum(copied_bytes(i) for i in range(k))
     return Plan(paged_blocks=k, pageable_blocks=pageable, reason=reason, paged_bytes=paged_bytes,
                 copy_seconds=paged_bytes / bandwidth if bandwidth else 0.0,
                 forward_seconds=sum(times), hidden=k <= pageable and hidden(k), expected_peak_bytes=expected,
-                budget_met=met)
+                budget_met=met, recomputed=tuple(recomputed),
+                recompute_seconds=sum(times[i] for i in recomputed))
 
 
 # ------------------------------------------------------------------------------- runtime
@@ -222,6 +251,19 @@ def _tensors(obj):
             yield from _tensors(item)
 
 
+def _updates_a_cache(kwargs) -> bool:
+    """A block call that adds to a key/value cache (Hugging Face's keyword arguments)."""
+    return kwargs.get("use_cache") is True or any(
+        kwargs.get(name) is not None for name in ("past_key_values", "past_key_value", "layer_past"))
+
+
+def _alive(seen: dict, key: int) -> bool:
+    """`key` (a storage address) was seen this forward and a tensor holding it is still alive;
+    otherwise the address may have been freed and reused."""
+    ref = seen.get(key)
+    return ref is not None and ref() is not None
+
+
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
@@ -231,7 +273,7 @@ class _StepFigures:
     paged_bytes: int = 0
     recast_bytes: int = 0
     shared_cast_bytes: int = 0  # repeated casts of one activation, saved as the first
-    kept_bytes: int = 0  # eligible-size activations left on the device
+    kept_bytes: int = 0  # activations that paging would move, left on the device
     on_demand: int = 0  # unpacks whose copy had not been prefetched
     held_bytes: int = 0  # paged, but still referenced outside autograd when forward ended
     block_bytes: list = field(default_factory=list)  # what leaving each block on the device costs
@@ -243,7 +285,7 @@ class ActivationPager:
     def __init__(self, model: torch.nn.Module, *, device: torch.device, share: float | None,
                  vram_budget: int | None, blocks: list[torch.nn.Module] | None = None,
                  blocks_name: str = "", prefetch_depth: int = 1, min_bytes: int | None = None,
-                 keep_last: int = 1) -> None:
+                 keep_last: int = 1, recompute: bool = True) -> None:
         if blocks is None:
             blocks_name, blocks = find_blocks(model)
         self.blocks = list(blocks)
@@ -260,6 +302,7 @@ class ActivationPager:
         self.device = device
         self.share = share
         self.vram_budget = vram_budget
+        self.recompute = recompute
         self.depth = prefetch_depth
         self.min_bytes = MIN_BYTES if min_bytes is None else min_bytes
         self.keep_last = max(0, min(keep_last, len(self.blocks) - 1))
@@ -289,18 +332,26 @@ class ActivationPager:
         self._current: int | None = None
         self._hooks_ctx = None
         self._by_storage: dict[int, tuple] = {}
+        self._kept: dict[int, weakref.ref] = {}  # storages left on the device this forward
         self._stored_by_block: list[list[weakref.ref]] = [[] for _ in self.blocks]
         self._prefetched: set[int] = set()
         self._casts: dict[tuple, object] = {}  # an activation's cast -> how it was saved (this forward)
         self._figures = _StepFigures()
         self.last = _StepFigures()  # figures of the last finished forward
         self._times: list = []  # (block, start mark, end mark) for each block run in the timed forward
+        self._input_bytes: list[int] = []  # per block, its tensor inputs in the timed forward
+        self._inputs_seen: dict[int, weakref.ref] = {}  # their storages (one shared by blocks counts once)
+        self._replaced_forwards: dict[int, object] = {}  # recomputed block -> its own forward attribute
         self._block_start = None
         self._timed = False  # the timed forward has finished: the next one ends profiling
         self._fresh_plan = False
         self._timing = False  # the latest forward (and its backward) is the profiled one
         self._backward_peak: int | None = None  # peak VRAM read when the profiled backward ended
         self._warned_held = False
+        self._warned_cache = False
+        # called before the profiled forward (wrap(): wait for the weights), so that its block times
+        # are compute, not waits for a host update that the next steps may overlap differently
+        self.settle = None
         self._forwards = 0
         self._handles = []
         self._register(model)
@@ -310,13 +361,14 @@ class ActivationPager:
         self._handles.append(model.register_forward_pre_hook(self._model_pre, with_kwargs=True))
         self._handles.append(model.register_forward_hook(self._model_post, always_call=True))
         for i, block in enumerate(self.blocks):
-            self._handles.append(block.register_forward_pre_hook(self._block_pre(i)))
+            self._handles.append(block.register_forward_pre_hook(self._block_pre(i), with_kwargs=True))
             self._handles.append(block.register_forward_hook(self._block_post, always_call=True))
 
     def remove(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles = []
+        self._restore_forwards()
 
     def _compute_stream(self) -> int:
         return torch.cuda.current_stream(self.device).cuda_stream if self._cuda else 0
@@ -330,9 +382,12 @@ class ActivationPager:
             self._finish_profile()
         # the first forward runs cold (allocator, kernels' first launches): time the second
         self._timing = self._profiling and self._forwards > 0
+        if self._timing and self.settle is not None:
+            self.settle()
         self._forwards += 1
         self._generation += 1
         self._by_storage = {}
+        self._kept = {}
         self._stored_by_block = [[] for _ in self.blocks]
         self._prefetched = set()
         self._casts = {}
@@ -342,6 +397,8 @@ class ActivationPager:
         self._fresh_plan = False
         if self._timing:
             self._times = []
+            self._input_bytes = [0] * len(self.blocks)
+            self._inputs_seen = {}
             self._backward_peak = None
         self._hooks_ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks_ctx.__enter__()
@@ -375,7 +432,7 @@ class ActivationPager:
                 f"call it with use_cache=False or set model.config.use_cache = False.", stacklevel=2)
 
     def _block_pre(self, index: int):
-        def hook(module, args):
+        def hook(module, args, kwargs):
             if self._hooks_ctx is None or _in_backward():
                 return  # outside our forward, or a checkpoint recomputing in backward
             self._current = index
@@ -387,8 +444,69 @@ class ActivationPager:
             if last is not None:
                 self._native.wait_paged_out(last.paged)
             if self._timing:  # after the wait: time the block's own work
+                self._input_bytes[index] += self._new_input_bytes((args, kwargs))
                 self._block_start = self._mark()
         return hook
+
+    def _new_input_bytes(self, inputs) -> int:
+        """Bytes of the device storages in `inputs` not yet counted (parameters and the model's
+        inputs excluded): what checkpointing the block would keep."""
+        total = 0
+        for t in _tensors(inputs):
+            storage = t.untyped_storage()
+            key = storage.data_ptr()
+            if (t.device != self.device or _alive(self._inputs_seen, key)
+                    or key in self._static_storages or key in self._input_storages):
+                continue
+            self._inputs_seen[key] = weakref.ref(t)
+            total += storage.nbytes()
+        return total
+
+    # -------------------------------------------------------------------- recompute
+    def _recomputed_forward(self, index: int, forward):
+        """`forward` under non-reentrant checkpointing: in backward, the block's forward runs
+        again (same inputs, same RNG state, same autocast state) and starts the prefetch of the
+        paged blocks before it."""
+        def run(*args, **kwargs):
+            if self._hooks_ctx is None or _in_backward():
+                return forward(*args, **kwargs)
+            if _updates_a_cache(kwargs):
+                self._warn_cache(index)
+                return forward(*args, **kwargs)
+            generation = self._generation
+
+            def body(*inner_args, **inner_kwargs):
+                if _in_backward():
+                    self._start_block_backward(index, generation)
+                return forward(*inner_args, **inner_kwargs)
+            return checkpoint(body, *args, use_reentrant=False, **kwargs)
+        return run
+
+    def _warn_cache(self, index: int) -> None:
+        if not self._warned_cache:
+            self._warned_cache = True
+            warnings.warn(
+                f"{self.blocks_name}[{index}] is called with a KV cache (use_cache=True): running its forward "
+                f"again in backward would add its keys and values to the cache twice, so it is not "
+                f"recomputed and keeps its activations on the device. For training a Hugging Face model, "
+                f"call it with use_cache=False or set model.config.use_cache = False.", stacklevel=3)
+
+    def _apply_plan(self, plan: Plan) -> None:
+        self.plan = plan
+        self._paged_upto = plan.paged_blocks
+        self._restore_forwards()
+        for i in plan.recomputed:
+            block = self.blocks[i]
+            self._replaced_forwards[i] = block.__dict__.get("forward")
+            block.forward = self._recomputed_forward(i, block.forward)
+
+    def _restore_forwards(self) -> None:
+        for i, own in self._replaced_forwards.items():
+            if own is None:
+                del self.blocks[i].forward
+            else:
+                self.blocks[i].forward = own
+        self._replaced_forwards = {}
 
     def _block_post(self, module, args, output):
         if self._hooks_ctx is None or _in_backward():
@@ -457,11 +575,13 @@ class ActivationPager:
         nbytes = storage.nbytes()
         view_bytes = t.numel() * t.element_size()
         static = key in self._static_storages or key in self._input_storages
-        if (static or view_bytes < self.min_bytes or nbytes > 4 * view_bytes
-                or nbytes % t.element_size() or block >= self._paged_upto):
-            if view_bytes >= self.min_bytes and not static:
-                self._figures.kept_bytes += view_bytes
-                self._figures.block_bytes[block] += view_bytes
+        pageable = not (static or view_bytes < self.min_bytes or nbytes > 4 * view_bytes
+                        or nbytes % t.element_size())
+        if not pageable or block >= self._paged_upto:
+            if pageable and not _alive(self._kept, key):  # what paging would free: each storage once
+                self._kept[key] = weakref.ref(t)
+                self._figures.kept_bytes += nbytes
+                self._figures.block_bytes[block] += nbytes
             return _Kept(t, block, self._generation)
         seen = self._by_storage.get(key)
         # the same storage if a tensor that holds it is still alive (else the address was reused)
@@ -543,10 +663,9 @@ class ActivationPager:
         peak = self.observed_peak_bytes()
         if peak is not None and self._backward_peak:
             peak = max(peak, self._backward_peak)
-        self.profile = Profile(list(self.last.block_bytes), times, d2h, h2d, peak)
-        self.plan = plan_paging(self.profile, share=self.share, vram_budget=self.vram_budget,
-                                keep_last=self.keep_last)
-        self._paged_upto = self.plan.paged_blocks
+        self.profile = Profile(list(self.last.block_bytes), times, d2h, h2d, peak, list(self._input_bytes))
+        self._apply_plan(plan_paging(self.profile, share=self.share, vram_budget=self.vram_budget,
+                                     keep_last=self.keep_last, recompute=self.recompute))
         self._profiling = False
         self._fresh_plan = True
         self._times = []
@@ -565,6 +684,7 @@ class ActivationPager:
             "blocks": f"{self.blocks_name} x{len(self.blocks)}",
             "state": "profiling" if self._profiling else "paging",
             "paged_blocks": self._paged_upto,
+            "recomputed_blocks": len(plan.recomputed) if plan else 0,
             "pageable_blocks": len(self.blocks) - self.keep_last,
             "decision": plan.reason if plan else "profiling: every pageable block paged",
             "paged_bytes_per_step": figures.paged_bytes,
@@ -584,6 +704,7 @@ class ActivationPager:
                 "h2d_GBps": self.profile.h2d_bytes_per_s / _GB,
                 "copy_s_per_step": plan.copy_seconds,
                 "forward_s": plan.forward_seconds,
+                "recompute_s": plan.recompute_seconds,
                 "copy_hidden": plan.hidden,
                 "expected_peak_GB": plan.expected_peak_bytes / _GB if plan.expected_peak_bytes else None,
                 "budget_met": plan.budget_met,
@@ -596,7 +717,8 @@ class ActivationPager:
     def describe(self) -> str:
         """The report as a few readable lines."""
         r = self.report()
-        lines = [f"activation paging over {r['blocks']}: {r['paged_blocks']} paged ({r['decision']})",
+        recomputed = f", {r['recomputed_blocks']} recomputed" if r["recomputed_blocks"] else ""
+        lines = [f"activation paging over {r['blocks']}: {r['paged_blocks']} paged{recomputed} ({r['decision']})",
                  (f"  per step: {r['paged_bytes_per_step'] / _GB:.2f} GB paged, "
                   f"{r['recast_bytes_per_step'] / _GB:.2f} GB of weight casts recomputed, "
                   f"{r['shared_cast_bytes_per_step'] / _GB:.2f} GB of repeated casts saved once, "
@@ -609,9 +731,16 @@ class ActivationPager:
             lines.append(f"  copies {r['copy_s_per_step'] * 1e3:.1f} ms each way at {r['d2h_GBps']:.1f}/"
                          f"{r['h2d_GBps']:.1f} GB/s vs forward {r['forward_s'] * 1e3:.1f} ms: "
                          f"{'hidden' if r['copy_hidden'] else 'partly exposed'}")
+            if r["recomputed_blocks"]:
+                lines.append(f"  recomputing {r['recomputed_blocks']} blocks adds {r['recompute_s'] * 1e3:.1f} ms "
+                             f"of forward compute to backward")
             if not r["copy_hidden"] and r["paged_bytes_per_step"]:
-                lines.append("  exposed copies lengthen the step, more so while the host updates (both use "
-                             "host memory); where gradient checkpointing reaches the budget it costs less")
+                hint = ("a vram_budget pages only what hides and recomputes blocks for the rest, which costs less"
+                        if self.vram_budget is None else
+                        "recompute=True would recompute blocks instead of paging them, which costs less"
+                        if not self.recompute else "recomputing the other blocks was not enough for the budget")
+                lines.append(f"  exposed copies lengthen the step, more so while the host updates (both use "
+                             f"host memory); {hint}")
         if r.get("expected_peak_GB") is not None:
             lines.append(f"  peak VRAM expected {r['expected_peak_GB']:.2f} GB, observed "
                          f"{r.get('observed_peak_GB', float('nan')):.2f} GB")

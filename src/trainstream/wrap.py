@@ -35,6 +35,7 @@ def wrap(
     vram_budget: int | str | None = None,
     blocks: list[torch.nn.Module] | None = None,
     prefetch_depth: int = 1,
+    recompute: bool = True,
 ) -> tuple[torch.nn.Module, OffloadedAdamW]:
     """Move gradients, AdamW state and the AdamW update of `model` to host memory and threads.
 
@@ -64,11 +65,15 @@ def wrap(
             page that share of the blocks; "off": no paging (and no saved-tensor hooks at all).
             With paging on, autocast's bf16 copies of the weights are recomputed in backward
             instead of kept. Paging is bit-exact.
-        vram_budget: peak VRAM to stay under, in bytes or as a string like "24GB": page as many
-            blocks as that needs, even if their copies cannot all hide behind compute.
+        vram_budget: peak VRAM to stay under, in bytes or as a string like "24GB": page the
+            blocks whose copies hide behind compute, then recompute (checkpoint) as many of the
+            others as that needs; if recomputing is not enough, page more, even if their copies
+            cannot all hide.
         blocks: the modules to page block by block (default: the largest ModuleList of
             same-class modules, i.e. the transformer layers).
         prefetch_depth: blocks prefetched ahead of the one running backward.
+        recompute: let a vram_budget recompute blocks in backward rather than page them beyond
+            what hides. False pages only (for blocks whose forward must not run twice).
 
     Returns:
         (model, optimizer): the same model with hooks attached, and the optimizer to step.
@@ -111,6 +116,8 @@ def wrap(
     host_accumulator = accumulation_steps > 1 and not accumulate_in_vram
     _check_host_memory(trainable, host_accumulator)
     paging, share, budget = _activation_policy(activations, vram_budget, device)
+    if not isinstance(recompute, bool):
+        raise TypeError(f"recompute must be True or False, got {recompute!r}")
 
     if device.type == "cuda":
         require_cuda_build()
@@ -130,12 +137,14 @@ def wrap(
     pager = None
     if paging:
         pager = ActivationPager(model, device=device, share=share, vram_budget=budget, blocks=blocks,
-                                prefetch_depth=prefetch_depth)
+                                prefetch_depth=prefetch_depth, recompute=recompute)
     wrapped = OffloadedAdamW(
         optimizer, model, pipeline, device=device, max_grad_norm=max_grad_norm,
         accumulation_steps=int(accumulation_steps), track_grad_norm=track_grad_norm, streams=streams,
         activation_pager=pager, accumulate_in_vram=accumulate_in_vram,
     )
+    if pager is not None:
+        pager.settle = wrapped.synchronize
     for p in trainable:
         p.grad = None
     return model, wrapped
