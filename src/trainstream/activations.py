@@ -735,10 +735,12 @@ class ActivationPager:
                 lines.append(f"  recomputing {r['recomputed_blocks']} blocks adds {r['recompute_s'] * 1e3:.1f} ms "
                              f"of forward compute to backward")
             if not r["copy_hidden"] and r["paged_bytes_per_step"]:
-                hint = ("a vram_budget pages only what hides and recomputes blocks for the rest, which costs less"
-                        if self.vram_budget is None else
-                        "recompute=True would recompute blocks instead of paging them, which costs less"
-                        if not self.recompute else "recomputing the other blocks was not enough for the budget")
+                if self.vram_budget is None:
+                    hint = "a vram_budget pages only what hides and recomputes blocks for the rest, which costs less"
+                elif not self.recompute:
+                    hint = "recompute=True would recompute blocks instead of paging them, which costs less"
+                else:
+                    hint = "recomputing the other blocks was not enough for the budget"
                 lines.append(f"  exposed copies lengthen the step, more so while the host updates (both use "
                              f"host memory); {hint}")
         if r.get("expected_peak_GB") is not None:
