@@ -69,7 +69,8 @@ def run(args) -> dict:
     settle = lambda: None
     if base == "trainstream":
         model, opt = trainstream.wrap(model, opt, accumulation_steps=args.acc,
-                                      accumulate_in_vram=variant == "vramacc", **paging_options(variant, args))
+                                      accumulate_in_vram=variant == "vramacc", threads=args.threads,
+                                      **paging_options(variant, args))
         settle = opt.synchronize
     g = torch.Generator(device=device).manual_seed(1)
     tokens = torch.randint(0, args.vocab, (args.batch, args.seq), device=device, generator=g)
@@ -162,6 +163,7 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=3,
                     help="untimed steps first (trainstream+paged profiles in its second)")
     add_paging_arguments(ap)
+    ap.add_argument("--threads", type=int, default=0, help="host AdamW threads for trainstream (0: every CPU)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():

@@ -21,6 +21,7 @@ import contextlib
 import gc
 import json
 import os
+import re
 import socket
 import sys
 import time
@@ -99,10 +100,12 @@ def run_mode(mode: str, args) -> dict:
     saving = contextlib.nullcontext  # how forward keeps its activations
     base, *extras = mode.split("+")
     # Baselines for TrainStream's own choices, added to any trainstream mode: '+fp32grads' sends
-    # every gradient as fp32, '+everygate' gates every forward pre-hook on the uploads,
-    # '+pageonly' meets a VRAM budget by paging alone (no recomputed blocks).
+    # every gradient as fp32, '+everygate' keeps the forward gates on and every one waiting,
+    # '+pageonly' meets a VRAM budget by paging alone (no recomputed blocks), '+t12' runs the host
+    # engine on 12 threads instead of every CPU.
     # '+ckpt' or '+save_on_cpu' may come with one of TrainStream's variants: 'trainstream+ckpt+auto'.
-    knobs = {e for e in extras if e in ("fp32grads", "everygate", "pageonly")}
+    threads = next((int(e[1:]) for e in extras if re.fullmatch(r"t\d+", e)), 0)
+    knobs = {e for e in extras if e in ("fp32grads", "everygate", "pageonly", f"t{threads}")}
     keeping = [e for e in extras if e in ("ckpt", "save_on_cpu")]
     variants = [e for e in extras if e not in knobs and e not in keeping]
     if len(variants) > 1 or len(keeping) > 1:
@@ -121,7 +124,7 @@ def run_mode(mode: str, args) -> dict:
         t0 = time.perf_counter()
         model, opt = trainstream.wrap(model, opt, accumulation_steps=args.acc, max_grad_norm=args.clip,
                                       accumulate_in_vram=variant == "vramacc", recompute="pageonly" not in knobs,
-                                      **paging_options(variant, args))
+                                      threads=threads, **paging_options(variant, args))
         setup_s = time.perf_counter() - t0
         sync = opt.synchronize
         if variant == "hostacc":  # the comparison baseline: micro-batches added by host threads
@@ -236,9 +239,10 @@ def main(argv=None) -> int:
                          "paging, automatic) suffix, or one of each, changes how activations are kept; "
                          "trainstream+hostacc adds micro-batch gradients on host threads, "
                          "trainstream+vramacc sums them in VRAM (accumulate_in_vram); a further "
-                         "'+fp32grads' (no bf16 gradient transfer), '+everygate' (no skipped "
-                         "forward gates) or '+pageonly' (a VRAM budget met without recomputing "
-                         "blocks) on a trainstream mode gives a baseline for that choice")
+                         "'+fp32grads' (no bf16 gradient transfer), '+everygate' (forward gates "
+                         "never skipped or taken off), '+pageonly' (a VRAM budget met without recomputing "
+                         "blocks) or '+tN' (N host threads) on a trainstream mode gives a baseline "
+                         "for that choice")
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)
     args = ap.parse_args(argv)

@@ -151,12 +151,14 @@ def test_gradients_are_not_packed_when_paging_is_asked_for():
         assert opt._pipeline.pack_gradients is packs
 
 
-def test_forward_gates_only_after_new_updates():
-    """A module's pre-hook orders the stream after its weights' uploads; once it has, later
-    forwards skip that call until another update is queued (the rest of an accumulation window)."""
+def test_forward_gates_come_off_once_settled_and_return_with_the_next_update():
+    """A module's pre-hook orders the stream after its weights' uploads; having done so, it skips
+    that call until another update is queued. Once no update is queued and every upload has
+    finished, the hooks come off altogether, and queuing the next update puts them back."""
     model, opt = make(freeze_first_block=False)
     model, opt = trainstream.wrap(model, opt, accumulation_steps=4, accumulate_in_vram=True)
     gated = []
+    settled = [False]  # whether the pipeline may report itself settled
 
     class Spy:  # counts the native gate calls, passes everything through
         def __init__(self, inner):
@@ -166,24 +168,41 @@ def test_forward_gates_only_after_new_updates():
             gated.append(len(hosts))
             return self.inner.gate(hosts, stream)
 
+        def settled(self, hosts):
+            return settled[0] and self.inner.settled(hosts)
+
         def __getattr__(self, name):
             return getattr(self.inner, name)
 
     opt._pipeline = Spy(opt._pipeline)
     modules = sum(1 for m in model.modules() if any(True for _ in m.parameters(recurse=False)))
-    per_forward = []
-    for micro_batches in batches(2, 4):
-        for tokens in micro_batches:
+
+    def pre_hooks() -> int:  # the gates, and the root's own check
+        return sum(len(m._forward_pre_hooks) for m in model.modules())
+
+    def window() -> tuple[list[int], list[int]]:
+        calls, hooks = [], []
+        for tokens in batches(1, 4)[0]:
             before = len(gated)
-            (model.loss(tokens) / 4).backward()
-            per_forward.append(len(gated) - before)
-        opt.step()
-        opt.zero_grad()
-    assert per_forward == [modules, 0, 0, 0, modules, 0, 0, 0]
-    opt._gate_always = True
-    before = len(gated)
-    model.loss(batches(1, 1)[0][0]).backward()
-    assert len(gated) - before == modules
+            loss = model.loss(tokens) / 4
+            calls.append(len(gated) - before)
+            hooks.append(pre_hooks())
+            loss.backward()
+        return calls, hooks
+
+    # Not settled: the first forward gates every module, the rest of the window skips the calls.
+    assert window() == ([modules, 0, 0, 0], [modules + 1] * 4)
+    opt.step()
+    opt.synchronize()
+    settled[0] = True
+    # Settled: the gates come off at the first forward of the window...
+    assert window() == ([0, 0, 0, 0], [1] * 4)
+    # ...and the last backward, which queued the updates, put them back.
+    assert pre_hooks() == modules + 1
+    opt.step()
+    opt.synchronize()
+    opt._gate_always = True  # the benchmarks' baseline: gates stay on and every forward waits
+    assert window() == ([modules] * 4, [modules + 1] * 4)
     opt.step()
 
 

@@ -87,6 +87,46 @@ def test_parity_on_gpu(dtype, clip, acc, in_vram):
             assert torch.equal(p.detach().cpu(), master.to(torch.bfloat16)), n
 
 
+def test_forward_gates_come_off_only_once_uploads_have_finished():
+    """With no update queued and every upload's event complete, the forward gates come off
+    (CudaTransfer::upload_complete); while an upload is still queued on the device they stay on,
+    and each queued update puts them back. Training stays exact throughout."""
+    acc = 2
+    model, opt, ref, ref_opt = setup(torch.float32, None, acc, in_vram=True)
+    upload_stream = opt._streams[1]
+
+    def micro_batch(i: int) -> None:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model.loss(tokens_for(i)) / acc
+        loss.backward()
+
+    micro_batch(0)  # nothing was ever uploaded: settled from the start
+    assert opt._gate_handles is None
+    for step in range(3):
+        if step == 1:  # hold this window's uploads behind half a second of GPU sleep
+            with torch.cuda.stream(upload_stream):
+                torch.cuda._sleep(1 << 30)
+        micro_batch(2 * step + 1)
+        assert opt._gate_handles is not None  # the last backward queued the updates
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        opt._pipeline.synchronize()  # host work done, uploads issued
+        settled = opt._pipeline.settled(opt._hosts)
+        micro_batch(2 * step + 2)
+        if step == 1:
+            assert not settled and opt._gate_handles is not None
+        torch.cuda.synchronize()
+        assert opt._pipeline.settled(opt._hosts)
+    opt.step()
+    ref_opt.step()
+    opt.synchronize()
+    for (n, p), r in zip(model.named_parameters(), ref.parameters()):
+        if p.requires_grad:
+            assert (p.detach().float().cpu() - r.detach().cpu()).abs().max().item() <= 3e-7, n
+
+
 def weight_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 

@@ -30,6 +30,13 @@ GradJob make_job(bool accumulate, bool overwrite, bool from_accumulator, bool no
   return job;
 }
 
+std::vector<HostParam*> raw_pointers(const std::vector<std::shared_ptr<HostParam>>& params) {
+  std::vector<HostParam*> raw;
+  raw.reserve(params.size());
+  for (const auto& p : params) raw.push_back(p.get());
+  return raw;
+}
+
 }  // namespace
 
 void bind_pipeline(py::module_& m) {
@@ -114,12 +121,17 @@ void bind_pipeline(py::module_& m) {
            py::arg("eps") = 1e-8, py::arg("weight_decay") = 0.0, py::arg("step") = 1,
            py::arg("grad_scale") = 1.0, py::arg("maximize") = false, py::arg("device_weight") = 0)
       .def("gate", [](OffloadPipeline& o, const std::vector<std::shared_ptr<HostParam>>& params, std::uintptr_t stream) {
-             std::vector<HostParam*> raw;
-             raw.reserve(params.size());
-             for (const auto& p : params) raw.push_back(p.get());
+             const std::vector<HostParam*> raw = raw_pointers(params);
              py::gil_scoped_release release;
              o.gate(raw, stream);
            }, py::arg("params"), py::arg("stream") = 0)
+      .def("settled", [](OffloadPipeline& o, const std::vector<std::shared_ptr<HostParam>>& params) {
+             const std::vector<HostParam*> raw = raw_pointers(params);
+             py::gil_scoped_release release;
+             return o.settled(raw);
+           }, py::arg("params"),
+           "Whether the parameters have no queued jobs and their last uploads have finished: no "
+           "stream need wait for them until another update is queued. Does not wait.")
       .def("synchronize", [](OffloadPipeline& o) {
              py::gil_scoped_release release;
              o.synchronize();

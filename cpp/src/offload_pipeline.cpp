@@ -264,6 +264,16 @@ void OffloadPipeline::gate(const std::vector<HostParam*>& params, std::uintptr_t
   }
 }
 
+bool OffloadPipeline::settled(const std::vector<HostParam*>& params) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  rethrow_locked();
+  for (HostParam* p : params) {
+    // A job is counted done after it has issued its upload, so a finished job's upload is seen.
+    if (p->done_ != p->queued_ || !transfer_->upload_complete(*p->slot_)) return false;
+  }
+  return true;
+}
+
 void OffloadPipeline::synchronize() {
   std::unique_lock<std::mutex> lock(mutex_);
   // Downloads first: a device accumulation need not have a job that waits for it.

@@ -6,6 +6,8 @@
 
 namespace trainstream {
 
+bool Transfer::upload_complete(TransferSlot&) { return true; }
+
 void Transfer::download_bf16_exact(TransferSlot& slot, void* host, const float* device_grad, std::size_t numel,
                                    std::uint32_t* inexact, std::uintptr_t producer_stream,
                                    std::function<void()> landed) {

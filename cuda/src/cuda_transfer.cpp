@@ -152,6 +152,15 @@ void CudaTransfer::order_after_upload(TransferSlot& s, std::uintptr_t stream) {
   if (slot.has_upload) TS_CUDA_CHECK(cudaStreamWaitEvent(as_stream(stream), slot.uploaded, 0));
 }
 
+bool CudaTransfer::upload_complete(TransferSlot& s) {
+  auto& slot = static_cast<CudaSlot&>(s);
+  if (!slot.has_upload) return true;
+  const cudaError_t status = cudaEventQuery(slot.uploaded);
+  if (status == cudaErrorNotReady) return false;
+  TS_CUDA_CHECK(status);
+  return true;
+}
+
 void CudaTransfer::bind_thread() { TS_CUDA_CHECK(cudaSetDevice(device_)); }
 
 }  // namespace trainstream

@@ -70,8 +70,11 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self._norm_pending = False
         self._slots: dict[torch.nn.Parameter, _Slot] = {}
         self._hooks: list = []
+        self._gates: list = []  # (module, forward pre-hook) for each module that owns parameters
+        self._gate_handles: list | None = None  # while the gates are installed
+        self._hosts: list = []  # every parameter's HostParam
         self._uploads_queued = 0  # updates (each ends in an upload) queued so far
-        self._gate_always = False  # a benchmark's baseline: every forward pre-hook gates
+        self._gate_always = False  # a benchmark's baseline: gates stay installed and every one waits
         self._pack = True
         self._register(model)
         self._sync_packing()
@@ -101,9 +104,12 @@ class OffloadedAdamW(torch.optim.Optimizer):
         for module in model.modules():
             own = [self._slots[p].host for p in module.parameters(recurse=False) if p in self._slots]
             if own:
-                self._hooks.append(module.register_forward_pre_hook(self._gate_hook(own)))
-        device_type = self._device.type
-        self._hooks.append(model.register_forward_pre_hook(lambda *_: check_autocast(device_type)))
+                self._gates.append((module, self._gate_hook(own)))
+        self._hosts = [s.host for s in self._slots.values()]
+        self._install_gates()
+        # A lambda, not a bound method: copy.deepcopy(model) copies the hooks, and would copy the
+        # optimizer behind a bound method with them.
+        self._hooks.append(model.register_forward_pre_hook(lambda *_: self._before_forward(), prepend=True))
         # Reads and writes of the weights outside forward (saving, loading) see settled values.
         self._hooks.append(model.register_state_dict_pre_hook(lambda *_: self.synchronize()))
         self._hooks.append(model.register_load_state_dict_pre_hook(lambda *_: self.synchronize()))
@@ -117,14 +123,33 @@ class OffloadedAdamW(torch.optim.Optimizer):
             return torch.cuda.current_stream(self._device).cuda_stream
         return 0
 
+    def _install_gates(self) -> None:
+        if self._gate_handles is None:
+            self._gate_handles = [m.register_forward_pre_hook(hook) for m, hook in self._gates]
+
+    def _remove_gates(self) -> None:
+        for h in self._gate_handles or ():
+            h.remove()
+        self._gate_handles = None
+
+    def _before_forward(self) -> None:
+        check_autocast(self._device.type)
+        # Once no update is queued and every upload has finished, no module needs to wait for its
+        # weights: the gates come off until the next update is queued (_mark_updated). Within an
+        # accumulation window, forwards after the first then run without a hook on every module.
+        if self._gate_handles is not None and not self._gate_always and self._pipeline.settled(self._hosts):
+            self._remove_gates()
+
     def _gate_hook(self, hosts: list):
         # A module that has gated on a stream need not again until another update is queued: its
-        # weights' uploads were all waited for. Within an accumulation window no update is queued,
-        # so forwards after the first skip the native call (and its lock) for every module.
+        # weights' uploads were all waited for. So while the gates stay on (uploads still in
+        # flight), later forwards of a window skip the native call and its lock.
         settled = (None, None)  # (uploads queued, stream) at this module's last gate
 
         def gate(module, args):
             nonlocal settled
+            if self._gate_handles is None:  # taken off by this forward's _before_forward
+                return
             now = (self._uploads_queued, self._current_stream())
             if now != settled or self._gate_always:
                 self._pipeline.gate(hosts, now[1])
@@ -202,6 +227,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         )
 
     def _mark_updated(self, slot: _Slot) -> None:
+        self._install_gates()
         self._uploads_queued += 1
         slot.updated = True
         slot.step += 1
@@ -292,7 +318,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
     def synchronize(self) -> None:
         """Wait for every queued host update and order the current stream after its upload."""
         self._pipeline.synchronize()
-        self._pipeline.gate([s.host for s in self._slots.values()], self._current_stream())
+        self._pipeline.gate(self._hosts, self._current_stream())
 
     # ------------------------------------------------------------------- checkpoints
     def state_dict(self):
@@ -370,5 +396,6 @@ class OffloadedAdamW(torch.optim.Optimizer):
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        self._remove_gates()
         if self.activation_pager is not None:
             self.activation_pager.remove()

@@ -52,6 +52,7 @@ class ManualTransfer : public Transfer {
     uploads.push_back(device);
   }
   void order_after_upload(TransferSlot&, std::uintptr_t) override {}
+  bool upload_complete(TransferSlot&) override { return uploads_finished; }
 
   void land_all() {
     std::vector<std::function<void()>> now;
@@ -67,6 +68,7 @@ class ManualTransfer : public Transfer {
   std::vector<void*> uploads;
   std::atomic<bool> fail_uploads{false};
   std::atomic<bool> hold_uploads{false};  // parks the worker inside upload()
+  std::atomic<bool> uploads_finished{true};  // what upload_complete() reports
   std::atomic<int> uploads_entered{0};
   std::atomic<bool> fail_accumulate{false};
   std::atomic<int> accumulations{0};
@@ -205,6 +207,25 @@ TEST_CASE("gradients beyond the in-flight byte limit wait for earlier ones to la
   rig.pipeline->synchronize();
   CHECK(rig.pipeline->downloading_bytes() == 0);
   CHECK(b->squared_norm == static_cast<double>(n));
+}
+
+TEST_CASE("parameters are settled only with no job queued and their uploads finished") {
+  Rig rig;
+  const std::size_t n = 64;
+  std::vector<float> g(n, 1.f), w(n, 1.f);
+  auto p = rig.pipeline->add_param(n, DType::float32, false);
+  auto q = rig.pipeline->add_param(n, DType::float32, false);
+  CHECK(rig.pipeline->settled({p.get(), q.get()}));  // nothing queued yet
+  rig.pipeline->land_gradient(p, reinterpret_cast<std::uintptr_t>(g.data()), 0,
+                              update_job(reinterpret_cast<std::uintptr_t>(w.data())));
+  CHECK(!rig.pipeline->settled({p.get(), q.get()}));  // its gradient has not landed
+  CHECK(rig.pipeline->settled({q.get()}));
+  rig.transfer->uploads_finished = false;
+  rig.transfer->land_all();
+  rig.pipeline->synchronize();
+  CHECK(!rig.pipeline->settled({p.get()}));  // the job is done, its upload is not
+  rig.transfer->uploads_finished = true;
+  CHECK(rig.pipeline->settled({p.get(), q.get()}));
 }
 
 TEST_CASE("a failure in the worker reaches the next synchronize, and later calls") {

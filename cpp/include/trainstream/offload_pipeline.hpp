@@ -110,6 +110,10 @@ class OffloadPipeline {
   // uploads (on the device). This is what a module's forward pre-hook calls.
   void gate(const std::vector<HostParam*>& params, std::uintptr_t stream);
 
+  // Whether the parameters have no queued jobs and their last uploads have finished, so that any
+  // stream may read their weights without gating. Never waits (beyond the pipeline's lock).
+  bool settled(const std::vector<HostParam*>& params);
+
   // Waits for every issued download to land and every queued job to finish. Rethrows the first
   // error a job raised.
   void synchronize();

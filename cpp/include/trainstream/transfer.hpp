@@ -56,6 +56,9 @@ class Transfer {
   virtual void upload(TransferSlot& slot, void* device, const void* host, std::size_t bytes) = 0;
   // Make `stream` wait (on the device, not the host) for the slot's last upload.
   virtual void order_after_upload(TransferSlot& slot, std::uintptr_t stream) = 0;
+  // Whether the slot's last upload has finished (without waiting); true if there was none. This
+  // default suits backends whose uploads finish before upload() returns.
+  virtual bool upload_complete(TransferSlot& slot);
   // Called once on each thread that will issue copies (CUDA: select the device).
   virtual void bind_thread() {}
 };

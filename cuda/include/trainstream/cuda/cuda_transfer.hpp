@@ -40,6 +40,7 @@ class CudaTransfer : public Transfer {
   void wait_download(TransferSlot& slot) override;
   void upload(TransferSlot& slot, void* device, const void* host, std::size_t bytes) override;
   void order_after_upload(TransferSlot& slot, std::uintptr_t stream) override;
+  bool upload_complete(TransferSlot& slot) override;
   void bind_thread() override;
 
  private:
