@@ -448,6 +448,10 @@ class ActivationPager:
                 self._block_start = self._mark()
         return hook
 
+    def _is_static(self, key: int) -> bool:
+        """The storage at address `key` belongs to a parameter, a buffer or this forward's model inputs."""
+        return key in self._static_storages or key in self._input_storages
+
     def _new_input_bytes(self, inputs) -> int:
         """Bytes of the device storages in `inputs` not yet counted (parameters and the model's
         inputs excluded): what checkpointing the block would keep."""
@@ -455,8 +459,7 @@ class ActivationPager:
         for t in _tensors(inputs):
             storage = t.untyped_storage()
             key = storage.data_ptr()
-            if (t.device != self.device or _alive(self._inputs_seen, key)
-                    or key in self._static_storages or key in self._input_storages):
+            if t.device != self.device or _alive(self._inputs_seen, key) or self._is_static(key):
                 continue
             self._inputs_seen[key] = weakref.ref(t)
             total += storage.nbytes()
@@ -574,7 +577,7 @@ class ActivationPager:
         key = storage.data_ptr()
         nbytes = storage.nbytes()
         view_bytes = t.numel() * t.element_size()
-        static = key in self._static_storages or key in self._input_storages
+        static = self._is_static(key)
         pageable = not (static or view_bytes < self.min_bytes or nbytes > 4 * view_bytes
                         or nbytes % t.element_size())
         if not pageable or block >= self._paged_upto:
