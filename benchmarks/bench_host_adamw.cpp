@@ -5,7 +5,8 @@
 //                    [--json PATH]
 //
 // Bytes per parameter: read p, g, m, v and write p, m, v: 28 B with an fp32 gradient, 26 B
-// with a bf16 one.
+// with a bf16 one. Each is also timed writing only the update term (term_only, what the offload
+// pipeline does for fp32 weights): p is not read, so 4 B less.
 //
 // Memory: the four fp32 buffers, 16 N bytes (the bf16 gradient reuses the fp32 gradient's
 // memory), and the triad's three arrays of T = max(N/2, 64M) floats, 12 T bytes: 64M floats
@@ -36,6 +37,7 @@ namespace {
 
 constexpr double kBytesFp32Grad = 28.0;  // p r/w 8, g 4, m r/w 8, v r/w 8
 constexpr double kBytesBf16Grad = 26.0;  // p r/w 8, g 2, m r/w 8, v r/w 8
+constexpr double kBytesTermSaved = 4.0;   // term_only: p written, not read
 
 struct Options {
   std::size_t params = std::size_t(1) << 28;
@@ -211,6 +213,7 @@ struct Row {
   std::string isa;
   std::size_t threads;
   std::string grad;
+  std::string output;  // "weights" (p updated in place) or "term" (term_only)
   double bytes_per_param;
   double ns_per_param;
   double gbps;
@@ -283,9 +286,10 @@ void write_json(const std::string& path, const Options& o, std::size_t triad_num
   for (std::size_t i = 0; i < rows.size(); ++i) {
     const Row& r = rows[i];
     std::fprintf(f,
-                 "    {\"isa\": \"%s\", \"threads\": %zu, \"grad\": \"%s\", \"bytes_per_param\": %g, "
-                 "\"ns_per_param\": %.6g, \"GBps\": %.6g, \"triad_GBps\": %.6g, \"triad_share\": %.4f}%s\n",
-                 r.isa.c_str(), r.threads, r.grad.c_str(), r.bytes_per_param, r.ns_per_param, r.gbps,
+                 "    {\"isa\": \"%s\", \"threads\": %zu, \"grad\": \"%s\", \"output\": \"%s\", "
+                 "\"bytes_per_param\": %g, \"ns_per_param\": %.6g, \"GBps\": %.6g, \"triad_GBps\": %.6g, "
+                 "\"triad_share\": %.4f}%s\n",
+                 r.isa.c_str(), r.threads, r.grad.c_str(), r.output.c_str(), r.bytes_per_param, r.ns_per_param, r.gbps,
                  r.triad_gbps, r.gbps / r.triad_gbps, i + 1 < rows.size() ? "," : "");
   }
   std::fprintf(f, "  ]\n}\n");
@@ -313,7 +317,7 @@ int run(const Options& o) {
                 16.0 * n / (1 << 20), double(llc) / (1 << 20));
   }
   std::printf("\n");
-  std::printf("%-7s %7s %5s %8s %10s %9s %11s %7s\n", "isa", "threads", "grad", "B/param",
+  std::printf("%-7s %7s %5s %8s %8s %10s %9s %11s %7s\n", "isa", "threads", "grad", "output", "B/param",
               "ns/param", "GB/s", "triad GB/s", "share");
 
   std::vector<Row> rows;
@@ -340,16 +344,20 @@ int run(const Options& o) {
     for (DType grad_dtype : {DType::float32, DType::bfloat16}) {
       if (grad_dtype == DType::bfloat16) write_bf16_grad(engines.front()->pool(), state, n);
       buffers.grad_dtype = grad_dtype;
-      const double bytes = grad_dtype == DType::float32 ? kBytesFp32Grad : kBytesBf16Grad;
-      for (auto& engine : engines) {
-        const double seconds = median_step_seconds(*engine, buffers, o.repeats);
-        Row r{isa_name(engine->isa()), threads, grad_dtype == DType::float32 ? "fp32" : "bf16",
-              bytes, seconds * 1e9 / n, bytes * n / seconds / 1e9, triad_gbps};
-        std::printf("%-7s %7zu %5s %8.0f %10.4f %9.1f %11.1f %6.0f%%\n", r.isa.c_str(), r.threads,
-                    r.grad.c_str(), r.bytes_per_param, r.ns_per_param, r.gbps, r.triad_gbps,
-                    100.0 * r.gbps / r.triad_gbps);
-        std::fflush(stdout);
-        rows.push_back(r);
+      for (bool term : {false, true}) {
+        buffers.term_only = term;
+        const double bytes =
+            (grad_dtype == DType::float32 ? kBytesFp32Grad : kBytesBf16Grad) - (term ? kBytesTermSaved : 0.0);
+        for (auto& engine : engines) {
+          const double seconds = median_step_seconds(*engine, buffers, o.repeats);
+          Row r{isa_name(engine->isa()), threads, grad_dtype == DType::float32 ? "fp32" : "bf16",
+                term ? "term" : "weights", bytes, seconds * 1e9 / n, bytes * n / seconds / 1e9, triad_gbps};
+          std::printf("%-7s %7zu %5s %8s %8.0f %10.4f %9.1f %11.1f %6.0f%%\n", r.isa.c_str(), r.threads,
+                      r.grad.c_str(), r.output.c_str(), r.bytes_per_param, r.ns_per_param, r.gbps,
+                      r.triad_gbps, 100.0 * r.gbps / r.triad_gbps);
+          std::fflush(stdout);
+          rows.push_back(r);
+        }
       }
     }
   }

@@ -102,10 +102,11 @@ def run_mode(mode: str, args) -> dict:
     # Baselines for TrainStream's own choices, added to any trainstream mode: '+fp32grads' sends
     # every gradient as fp32, '+everygate' keeps the forward gates on and every one waiting,
     # '+pageonly' meets a VRAM budget by paging alone (no recomputed blocks), '+t12' runs the host
-    # engine on 12 threads instead of every CPU.
+    # engine on 12 threads instead of every CPU, '+master' keeps fp32 masters on the host and
+    # uploads them instead of update terms.
     # '+ckpt' or '+save_on_cpu' may come with one of TrainStream's variants: 'trainstream+ckpt+auto'.
     threads = next((int(e[1:]) for e in extras if re.fullmatch(r"t\d+", e)), 0)
-    knobs = {e for e in extras if e in ("fp32grads", "everygate", "pageonly", f"t{threads}")}
+    knobs = {e for e in extras if e in ("fp32grads", "everygate", "pageonly", "master", f"t{threads}")}
     keeping = [e for e in extras if e in ("ckpt", "save_on_cpu")]
     variants = [e for e in extras if e not in knobs and e not in keeping]
     if len(variants) > 1 or len(keeping) > 1:
@@ -131,6 +132,7 @@ def run_mode(mode: str, args) -> dict:
             opt._pipeline.device_accumulate = False
         opt.pack_gradients = "fp32grads" not in knobs
         opt._gate_always = "everygate" in knobs
+        opt.upload_update_terms = "master" not in knobs
     elif base == "torchao":
         from torchao.optim import CPUOffloadOptimizer  # skipped when missing
 
@@ -241,7 +243,8 @@ def main(argv=None) -> int:
                          "trainstream+vramacc sums them in VRAM (accumulate_in_vram); a further "
                          "'+fp32grads' (no bf16 gradient transfer), '+everygate' (forward gates "
                          "never skipped or taken off), '+pageonly' (a VRAM budget met without recomputing "
-                         "blocks) or '+tN' (N host threads) on a trainstream mode gives a baseline "
+                         "blocks), '+master' (fp32 masters kept on the host and uploaded, not update "
+                         "terms) or '+tN' (N host threads) on a trainstream mode gives a baseline "
                          "for that choice")
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)

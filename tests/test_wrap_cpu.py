@@ -260,6 +260,35 @@ def test_torch_adamw_checkpoint_loads_and_continues_identically():
     assert torch.equal(back_opt.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
 
 
+@pytest.mark.parametrize("acc,clip,in_vram", [(1, None, False), (4, 1.0, False), (4, None, True)],
+                         ids=["plain", "accumulate4+clip", "accumulate4-in-vram"])
+def test_update_terms_give_the_weights_an_uploaded_master_gives_bit_for_bit(acc, clip, in_vram):
+    """fp32 weights updated by adding the host's update term where they live are the weights that
+    uploading an updated host master gives, bit for bit; switching to masters midway (which
+    reloads them from the model) changes nothing either."""
+    data = batches(6, acc)
+    runs = {}
+    for how in ("terms", "master", "switched"):
+        model, opt = make()
+        model, opt = trainstream.wrap(model, opt, max_grad_norm=clip, accumulation_steps=acc,
+                                      accumulate_in_vram=in_vram)
+        assert opt.upload_update_terms  # the default
+        opt.upload_update_terms = how == "terms" or how == "switched"
+        train(model, opt, data[:3], clip=clip, wrapped=True)
+        if how == "switched":
+            opt.upload_update_terms = False
+        train(model, opt, data[3:], clip=clip, wrapped=True)
+        runs[how] = model, opt
+    (ref, ref_opt) = runs["master"]
+    for how in ("terms", "switched"):
+        model, opt = runs[how]
+        for p, q in zip(model.parameters(), ref.parameters()):
+            assert torch.equal(p, q), how
+            if p.requires_grad:
+                for key in ("exp_avg", "exp_avg_sq"):
+                    assert torch.equal(opt.state[p][key], ref_opt.state[q][key]), how
+
+
 def test_weights_changed_behind_our_back_are_picked_up():
     data = batches(3, 1)
     model, opt = make()

@@ -144,8 +144,10 @@ def test_no_gradient_or_optimizer_state_in_vram():
     model = TinyLM(vocab=512, dim=256, layers=4, seq=64).cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, opt = trainstream.wrap(model, opt)
-    weights = torch.cuda.memory_allocated() - base
-    assert weights == pytest.approx(weight_bytes(model), rel=0.01)
+    weights = torch.cuda.memory_allocated() - base  # and the staging buffer for update terms
+    staging = opt.report()["vram_staging_bytes"]
+    assert staging == 4 * max(p.numel() for p in model.parameters())  # the largest one's term
+    assert weights == pytest.approx(weight_bytes(model) + staging, rel=0.01)
     tokens = torch.randint(0, 512, (4, 65), device="cuda")
     for _ in range(3):
         with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -159,11 +161,44 @@ def test_no_gradient_or_optimizer_state_in_vram():
     del tokens
     torch.empty(1, device="cuda")
     assert all(p.grad is None for p in model.parameters())
-    assert torch.cuda.memory_allocated() - base <= weights + (1 << 20)  # weights, nothing else
+    assert torch.cuda.memory_allocated() - base <= weights + (1 << 20)  # nothing else
     for state in opt.state.values():
         for key in ("exp_avg", "exp_avg_sq"):
             assert state[key].device.type == "cpu" and state[key].is_pinned()
     assert opt.report()["host_memory_kind"] == "pinned"
+
+
+@pytest.mark.parametrize("staging", ["whole", "pieces"])
+def test_update_terms_give_the_weights_an_uploaded_master_gives_on_gpu(staging):
+    """fp32 weights: the update term added on the GPU (copied through the staging buffer, in
+    pieces when a parameter is larger than it) gives the weights an uploaded host master gives,
+    bit for bit, under bf16 autocast with clipping."""
+    runs = []
+    for terms in (True, False):
+        model, opt, _, _ = setup(torch.float32, 1.0, 1)
+        opt.upload_update_terms = terms
+        if terms and staging == "pieces":
+            small = torch.empty(1000, device="cuda")  # fewer floats than the embedding's 6208
+            small.record_stream(opt._streams[1])
+            opt._pipeline.set_upload_staging(small.data_ptr(), small.nbytes)
+            opt._staging = small
+        for step in range(5):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model.loss(tokens_for(step))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        opt.synchronize()
+        torch.cuda.synchronize()
+        runs.append((model, opt))
+    (model, opt), (ref, ref_opt) = runs
+    assert opt.upload_update_terms and not ref_opt.upload_update_terms
+    assert ref_opt.report()["vram_staging_bytes"] == 0
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
+        if p.requires_grad:
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(opt.state[p][key], ref_opt.state[q][key])
 
 
 def rss_bytes() -> int:

@@ -80,6 +80,15 @@ void bind_pipeline(py::module_& m) {
       .def_property("pack_gradients", &OffloadPipeline::pack_gradients, &OffloadPipeline::set_pack_gradients,
                     "Whether fp32 gradients whose values are bf16 (weight gradients under bf16 autocast) "
                     "are sent to the host as bf16, losslessly; may be switched at any time.")
+      .def_property("upload_terms", &OffloadPipeline::upload_terms, &OffloadPipeline::set_upload_terms,
+                    "Whether fp32 weights are updated by uploading AdamW's update term for the device to "
+                    "add rather than an updated host master (default off; a CUDA pipeline needs "
+                    "set_upload_staging first). Switch it off only when nothing is queued, then "
+                    "load_weights every fp32 parameter.")
+      .def("set_upload_staging", [](OffloadPipeline& o, std::uintptr_t device, std::size_t bytes) {
+             o.transfer().set_staging(device, bytes);
+           }, py::arg("device"), py::arg("nbytes"),
+           "Device memory the CUDA transfer stages update terms in (the caller keeps it alive).")
       .def_property_readonly("pending", &OffloadPipeline::pending)
       .def_property_readonly("downloading_bytes", &OffloadPipeline::downloading_bytes)
       .def("add_param", [](OffloadPipeline& o, std::size_t numel, const std::string& dtype, bool accumulate,

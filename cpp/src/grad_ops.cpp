@@ -70,25 +70,29 @@ void pack_bf16_exact(std::uint16_t* dst, const float* src, std::size_t numel) {
   }
 }
 
+double squared_norm(const void* data, DType dtype, std::size_t begin, std::size_t end) {
+  double s0 = 0, s1 = 0, s2 = 0, s3 = 0;  // independent sums keep the FPU pipelines busy
+  std::size_t i = begin;
+  auto at = [&](std::size_t k) -> double {
+    return dtype == DType::bfloat16 ? bf16_to_float(static_cast<const std::uint16_t*>(data)[k])
+                                    : static_cast<const float*>(data)[k];
+  };
+  for (; i + 4 <= end; i += 4) {
+    const double a = at(i), b = at(i + 1), c = at(i + 2), d = at(i + 3);
+    s0 += a * a;
+    s1 += b * b;
+    s2 += c * c;
+    s3 += d * d;
+  }
+  for (; i < end; ++i) s0 += at(i) * at(i);
+  return (s0 + s1) + (s2 + s3);
+}
+
 double squared_norm(ThreadPool& pool, const void* data, DType dtype, std::size_t numel) {
   const std::size_t chunk = chunk_elements(numel, pool.size());
   std::vector<double> partial((numel + chunk - 1) / chunk, 0.0);
   for_chunks(pool, numel, [&](std::size_t b, std::size_t e, std::size_t t) {
-    double s0 = 0, s1 = 0, s2 = 0, s3 = 0;  // independent sums keep the FPU pipelines busy
-    std::size_t i = b;
-    auto at = [&](std::size_t k) -> double {
-      return dtype == DType::bfloat16 ? bf16_to_float(static_cast<const std::uint16_t*>(data)[k])
-                                      : static_cast<const float*>(data)[k];
-    };
-    for (; i + 4 <= e; i += 4) {
-      const double a = at(i), b2 = at(i + 1), c = at(i + 2), d = at(i + 3);
-      s0 += a * a;
-      s1 += b2 * b2;
-      s2 += c * c;
-      s3 += d * d;
-    }
-    for (; i < e; ++i) s0 += at(i) * at(i);
-    partial[t] = (s0 + s1) + (s2 + s3);
+    partial[t] = squared_norm(data, dtype, b, e);
   });
   double total = 0;
   for (double p : partial) total += p;

@@ -1,5 +1,6 @@
 #include "trainstream/offload_pipeline.hpp"
 
+#include <algorithm>
 #include <cstring>
 
 #include "trainstream/errors.hpp"
@@ -15,7 +16,17 @@ OffloadPipeline::OffloadPipeline(std::unique_ptr<Transfer> transfer, std::size_t
       max_download_bytes_(max_download_bytes),
       device_accumulate_(device_accumulate) {
   TS_EXPECTS(transfer_ != nullptr, "OffloadPipeline: no transfer backend");
-  worker_ = std::thread([this] { worker_loop(); });
+  try {
+    for (std::size_t i = 0; i < engine_.threads(); ++i) workers_.emplace_back([this] { worker_loop(); });
+  } catch (...) {  // out of threads: stop the ones already running before giving up
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stopping_ = true;
+    }
+    work_ready_.notify_all();
+    for (auto& t : workers_) t.join();
+    throw;
+  }
 }
 
 OffloadPipeline::~OffloadPipeline() {
@@ -26,7 +37,7 @@ OffloadPipeline::~OffloadPipeline() {
     stopping_ = true;
   }
   work_ready_.notify_all();
-  worker_.join();
+  for (auto& t : workers_) t.join();
 }
 
 std::shared_ptr<HostParam> OffloadPipeline::add_param(std::size_t numel, DType weight_dtype,
@@ -59,6 +70,11 @@ void OffloadPipeline::wait_idle(HostParam& p, std::unique_lock<std::mutex>& lock
 
 void OffloadPipeline::rethrow_locked() {
   if (error_) std::rethrow_exception(error_);
+}
+
+void OffloadPipeline::record_error() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!error_) error_ = std::current_exception();
 }
 
 void OffloadPipeline::load_weights(HostParam& p, std::uintptr_t device_weight, std::uintptr_t stream) {
@@ -160,99 +176,184 @@ void OffloadPipeline::enqueue(const std::shared_ptr<HostParam>& p, const GradJob
     rethrow_locked();
     // The job runs after every download of this parameter issued so far has landed: its own
     // gradient, and device accumulations that queued no job of their own.
-    queue_.push_back({p, job, ++p->queued_, p->downloads_, ++order_, packed});
+    auto task = std::make_unique<Task>();
+    task->param = p;
+    task->job = job;
+    task->seq = ++p->queued_;
+    task->download = p->downloads_;
+    task->order = ++order_;
+    task->packed = packed;
+    queue_.push_back(std::move(task));
     ++in_flight_;
   }
   work_ready_.notify_one();
 }
 
-// Chooses the next task to run: among tasks that are next in line for their parameter and whose
+// Chooses the next job to start: among jobs that are next in line for their parameter and whose
 // gradient has landed, plain accumulation first (in arrival order: the next backward needs those
 // landing buffers back in that order), then updates in forward order.
-bool OffloadPipeline::pick_locked(Task& out) {
+std::unique_ptr<OffloadPipeline::Task> OffloadPipeline::pick_locked() {
   auto best = queue_.end();
   for (auto it = queue_.begin(); it != queue_.end(); ++it) {
-    const HostParam& p = *it->param;
-    if (it->seq != p.done_ + 1 || p.landed_ < it->download) continue;
+    const Task& t = **it;
+    const HostParam& p = *t.param;
+    if (t.seq != p.done_ + 1 || p.landed_ < t.download) continue;
     if (best == queue_.end()) {
       best = it;
       continue;
     }
-    const bool upd = it->job.update, best_upd = best->job.update;
+    const bool upd = t.job.update, best_upd = (*best)->job.update;
     if (upd != best_upd) {
       if (!upd) best = it;
-    } else if (upd && p.priority < best->param->priority) {
+    } else if (upd && p.priority < (*best)->param->priority) {
       best = it;
     }  // else: equal class, keep the earlier (arrival order)
   }
-  if (best == queue_.end()) return false;
-  out = std::move(*best);
+  if (best == queue_.end()) return nullptr;
+  std::unique_ptr<Task> out = std::move(*best);
   queue_.erase(best);
-  return true;
+  return out;
 }
 
-void OffloadPipeline::run(Task& task) {
+// Under the mutex: what the job's chunks read and how they are cut.
+void OffloadPipeline::start(Task& task) {
   HostParam& p = *task.param;
   const GradJob& job = task.job;
-  ThreadPool& pool = engine_.pool();
-  DType landed = p.weight_dtype;  // what the landing buffer holds
+  task.skip = error_ != nullptr;  // after a failure, jobs are drained unrun
+  task.landed = p.weight_dtype;
   if (task.packed) {
     if (*p.inexact_ == 0) {
-      landed = DType::bfloat16;
+      task.landed = DType::bfloat16;
     } else {
       p.packs_ = false;  // e.g. a tied or fp32-computed weight: stop testing its gradients
     }
-    p.sent_bf16_ = landed == DType::bfloat16;
+    p.sent_bf16_ = task.landed == DType::bfloat16;
   }
-  if (job.accumulate) accumulate_grad(pool, p.accumulator, p.grad, landed, p.numel, job.overwrite);
-  const void* grad = job.from_accumulator ? static_cast<const void*>(p.accumulator) : p.grad;
-  const DType grad_dtype = job.from_accumulator ? DType::float32 : landed;
-  if (job.norm) p.squared_norm = squared_norm(pool, grad, grad_dtype, p.numel);
-  if (job.update) {
-    AdamWBuffers b;
+  task.grad = job.from_accumulator ? static_cast<const void*>(p.accumulator) : p.grad;
+  task.grad_dtype = job.from_accumulator ? DType::float32 : task.landed;
+  task.chunk = chunk_elements(p.numel, workers_.size());  // the pool's chunks: the same norm sums
+  const bool elementwise = job.accumulate || job.norm || job.update;
+  task.chunks = elementwise ? (p.numel + task.chunk - 1) / task.chunk : 1;
+  if (job.norm) task.partial.assign(task.chunks, 0.0);
+  if (job.update && !task.skip) {
+    AdamWBuffers& b = task.buffers;
     b.param = p.master;
-    b.grad = grad;
-    b.grad_dtype = grad_dtype;
+    b.grad = task.grad;
+    b.grad_dtype = task.grad_dtype;
     b.exp_avg = p.exp_avg;
     b.exp_avg_sq = p.exp_avg_sq;
     // bf16 weights go back up from the landing buffer, written by the kernel as it updates.
     b.param_bf16 = p.weight_dtype == DType::bfloat16 ? static_cast<std::uint16_t*>(p.grad) : nullptr;
     b.numel = p.numel;
-    engine_.step(b, job.hyper);
+    // fp32 weights: the master buffer receives the update term, and the device applies it.
+    b.term_only = upload_terms_ && p.weight_dtype == DType::float32 && job.device_weight != 0;
+    try {
+      validate_buffers(b);
+      task.coeffs = adamw_coeffs(job.hyper);
+    } catch (...) {
+      if (!error_) error_ = std::current_exception();
+      task.skip = true;
+    }
   }
-  if (job.device_weight) {
+}
+
+// Under the mutex: a chunk of the earliest started job that has one left, else the first chunk of
+// a newly started job; null when there is no work.
+OffloadPipeline::Task* OffloadPipeline::next_chunk_locked(std::size_t& chunk) {
+  for (auto& t : running_) {
+    if (t->next_chunk < t->chunks) {
+      chunk = t->next_chunk++;
+      return t.get();
+    }
+  }
+  std::unique_ptr<Task> fresh = pick_locked();
+  if (!fresh) return nullptr;
+  start(*fresh);
+  chunk = fresh->next_chunk++;
+  Task* raw = fresh.get();
+  running_.push_back(std::move(fresh));
+  if (raw->chunks > 1) work_ready_.notify_all();  // more chunks than this thread: wake the others
+  return raw;
+}
+
+void OffloadPipeline::run_chunk(Task& task, std::size_t chunk) {
+  if (task.skip) return;
+  HostParam& p = *task.param;
+  const GradJob& job = task.job;
+  const std::size_t begin = chunk * task.chunk, end = std::min(p.numel, begin + task.chunk);
+  if (job.accumulate) {
+    const char* grad = static_cast<const char*>(p.grad) + begin * dtype_size(task.landed);
+    accumulate_grad(p.accumulator + begin, grad, task.landed, end - begin, job.overwrite);
+  }
+  if (job.norm) task.partial[chunk] = squared_norm(task.grad, task.grad_dtype, begin, end);
+  if (job.update) engine_.kernel()(task.buffers, task.coeffs, begin, end);
+}
+
+// After the job's last chunk, on the thread that ran it: the norm and the upload.
+void OffloadPipeline::finish(Task& task) {
+  if (task.skip) return;
+  HostParam& p = *task.param;
+  if (task.job.norm) {
+    double total = 0;
+    for (double s : task.partial) total += s;
+    p.squared_norm = total;
+  }
+  if (task.job.device_weight == 0) return;
+  void* device = reinterpret_cast<void*>(task.job.device_weight);
+  if (task.buffers.term_only) {
+    transfer_->upload_update(*p.slot_, static_cast<float*>(device), p.master, p.numel, task.coeffs.decay);
+  } else {
     const void* src = p.weight_dtype == DType::bfloat16 ? p.grad : static_cast<const void*>(p.master);
-    transfer_->upload(*p.slot_, reinterpret_cast<void*>(job.device_weight), src, p.weight_bytes());
+    transfer_->upload(*p.slot_, device, src, p.weight_bytes());
   }
 }
 
 void OffloadPipeline::worker_loop() {
   bool bound = false;
+  std::unique_lock<std::mutex> lock(mutex_);
   for (;;) {
-    Task task;
-    bool failed;
-    {
-      std::unique_lock<std::mutex> lock(mutex_);
-      work_ready_.wait(lock, [&] { return (stopping_ && queue_.empty()) || pick_locked(task); });
-      if (!task.param) return;  // stopping, nothing left
-      failed = error_ != nullptr;
-    }
+    Task* task = nullptr;
+    std::size_t chunk = 0;
+    work_ready_.wait(lock, [&] {
+      task = next_chunk_locked(chunk);
+      return task || (stopping_ && queue_.empty() && running_.empty());
+    });
+    if (!task) return;  // stopping, nothing left
+    lock.unlock();
+    bool ok = true;
     try {
       if (!bound) {
         transfer_->bind_thread();
         bound = true;
       }
-      if (!failed) run(task);  // after a failure, jobs are drained unrun
+      run_chunk(*task, chunk);
     } catch (...) {
-      std::lock_guard<std::mutex> lock(mutex_);
-      if (!error_) error_ = std::current_exception();
+      record_error();
+      ok = false;
     }
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      ++task.param->done_;
-      --in_flight_;
+    lock.lock();
+    if (!ok) task->skip = true;
+    if (++task->chunks_done < task->chunks) continue;
+    // This thread ran the job's last chunk: it finishes the job.
+    auto it = std::find_if(running_.begin(), running_.end(), [&](const auto& t) { return t.get() == task; });
+    std::unique_ptr<Task> done = std::move(*it);
+    running_.erase(it);
+    lock.unlock();
+    try {
+      finish(*done);
+    } catch (...) {
+      record_error();
     }
+    lock.lock();
+    ++done->param->done_;
+    --in_flight_;
     job_done_.notify_all();
+    // The parameter's next job may be ready now; when stopping, the others may exit.
+    if (stopping_) {
+      work_ready_.notify_all();
+    } else {
+      work_ready_.notify_one();
+    }
   }
 }
 

@@ -2,12 +2,15 @@
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <string>
 
 #include "accumulate.hpp"
+#include "apply_update.hpp"
 #include "pack_bf16.hpp"
 #include "trainstream/cuda/cuda_check.hpp"
 #include "trainstream/cuda/streams.hpp"
+#include "trainstream/errors.hpp"
 
 namespace trainstream {
 
@@ -144,6 +147,30 @@ void CudaTransfer::upload(TransferSlot& s, void* device, const void* host, std::
   auto& slot = static_cast<CudaSlot&>(s);
   TS_CUDA_CHECK(cudaMemcpyAsync(device, host, bytes, cudaMemcpyHostToDevice, as_stream(upload_stream_)));
   TS_CUDA_CHECK(cudaEventRecord(slot.uploaded, as_stream(upload_stream_)));
+  slot.has_upload = true;
+}
+
+void CudaTransfer::set_staging(std::uintptr_t device, std::size_t bytes) {
+  std::lock_guard<std::mutex> lock(staging_mutex_);
+  staging_ = reinterpret_cast<float*>(device);
+  staging_floats_ = bytes / sizeof(float);
+}
+
+void CudaTransfer::upload_update(TransferSlot& s, float* device, const float* term, std::size_t numel,
+                                 float decay) {
+  auto& slot = static_cast<CudaSlot&>(s);
+  const cudaStream_t stream = as_stream(upload_stream_);
+  std::lock_guard<std::mutex> lock(staging_mutex_);
+  TS_EXPECTS(staging_ != nullptr && staging_floats_ > 0,
+             "CudaTransfer: upload_update needs a staging buffer (set_staging)");
+  DeviceScope on_device(device_);
+  // Each piece's copy waits, in stream order, for the kernel that read the previous piece.
+  for (std::size_t begin = 0; begin < numel; begin += staging_floats_) {
+    const std::size_t n = std::min(staging_floats_, numel - begin);
+    TS_CUDA_CHECK(cudaMemcpyAsync(staging_, term + begin, 4 * n, cudaMemcpyHostToDevice, stream));
+    launch_apply_update(device + begin, staging_, n, decay, stream);
+  }
+  TS_CUDA_CHECK(cudaEventRecord(slot.uploaded, stream));
   slot.has_upload = true;
 }
 

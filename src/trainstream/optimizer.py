@@ -18,6 +18,9 @@ from trainstream.errors import GRAD_SCALER_MESSAGE, UnsupportedSetupError, check
 from trainstream.host_adamw import DTYPE_NAMES
 
 _CLIP_EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_
+# fp32 update terms cross to VRAM through a staging buffer of at most this many floats (64 MiB),
+# a piece at a time for larger parameters.
+_STAGING_FLOATS = 16 << 20
 
 
 @dataclass(eq=False)
@@ -106,6 +109,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
             if own:
                 self._gates.append((module, self._gate_hook(own)))
         self._hosts = [s.host for s in self._slots.values()]
+        self._staging = None
+        self._set_upload_terms(True)
         self._install_gates()
         # A lambda, not a bound method: copy.deepcopy(model) copies the hooks, and would copy the
         # optimizer behind a bound method with them.
@@ -113,6 +118,24 @@ class OffloadedAdamW(torch.optim.Optimizer):
         # Reads and writes of the weights outside forward (saving, loading) see settled values.
         self._hooks.append(model.register_state_dict_pre_hook(lambda *_: self.synchronize()))
         self._hooks.append(model.register_load_state_dict_pre_hook(lambda *_: self.synchronize()))
+
+    def _set_upload_terms(self, on: bool) -> None:
+        fp32 = [s for s in self._slots.values() if s.param.dtype == torch.float32]
+        if on and fp32 and self._device.type == "cuda" and self._staging is None:
+            floats = min(max(s.param.numel() for s in fp32), _STAGING_FLOATS)
+            self._staging = torch.empty(floats, dtype=torch.float32, device=self._device)
+            self._staging.record_stream(self._streams[1])  # freed only after the uploads using it
+            self._pipeline.set_upload_staging(self._staging.data_ptr(), self._staging.nbytes)
+        if not on and self._pipeline.upload_terms:
+            # The host kept no fp32 copy of these weights: take it from the device before the
+            # next update reads it.
+            self._pipeline.synchronize()
+            self._pipeline.gate(self._hosts, self._current_stream())
+            for s in fp32:
+                self._pipeline.load_weights(s.host, s.param.data_ptr(), self._current_stream())
+            self._pipeline.set_upload_staging(0, 0)
+            self._staging = None  # the allocator waits for the upload stream before reusing it
+        self._pipeline.upload_terms = on
 
     @staticmethod
     def _host_tensor(host, name: str, like: torch.Tensor) -> torch.Tensor:
@@ -288,6 +311,18 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self._pack = bool(on)
         self._sync_packing()
 
+    @property
+    def upload_update_terms(self) -> bool:
+        """fp32 weights: the host sends AdamW's update term and the GPU adds it to its decayed
+        weights (default True), instead of the host keeping an fp32 copy of the weights current
+        and sending that: the host reads 24 bytes a parameter instead of 28, and the weights come
+        out bit for bit the same. It stages through a VRAM buffer of at most 64 MiB."""
+        return self._pipeline.upload_terms
+
+    @upload_update_terms.setter
+    def upload_update_terms(self, on: bool) -> None:
+        self._set_upload_terms(bool(on))
+
     def _sync_packing(self) -> None:
         pager = self.activation_pager
         paging = pager is not None and (pager.vram_budget is not None or bool(pager.share))
@@ -387,6 +422,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
             # share of fp32 weights whose last gradient was bf16-exact (under bf16 autocast, the
             # matmuls') and crossed as bf16; each one is tested, so none is ever rounded
             "gradients_sent_as_bf16": packed / max(sum(s.param.numel() for s in fp32), 1),
+            # VRAM besides the weights: the buffer fp32 update terms cross through (64 MiB at most)
+            "vram_staging_bytes": self._staging.nbytes if self._staging is not None else 0,
             "activations": self.activation_pager.report() if self.activation_pager else "off",
         }
 

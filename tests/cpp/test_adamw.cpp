@@ -258,6 +258,48 @@ TEST_CASE("kernels write only inside [begin, end), from any start") {
   }
 }
 
+TEST_CASE("term_only writes the term that weight * decay + term turns into the update, bit for bit") {
+  const std::size_t n = 300;
+  const std::size_t ranges[][2] = {{0, 1}, {3, 4}, {5, 21}, {16, 32}, {17, 299}, {0, 300}, {1, 300}};
+  for (Isa isa : {Isa::scalar, Isa::avx2, Isa::avx512}) {
+    if (!isa_supported(isa)) {
+      skip(std::string(isa_name(isa)) + " term_only", "this CPU lacks it");
+      continue;
+    }
+    for (DType dtype : {DType::float32, DType::bfloat16}) {
+      for (const Variant& v : variants()) {
+        for (const auto& r : ranges) {
+          State full(n, 91), term(n, 91);
+          const State before(n, 91);
+          const AdamWCoeffs c = adamw_coeffs(hyper_for(v, 4));
+          adamw_kernel(isa)(full.buffers(dtype, false), c, r[0], r[1]);
+          AdamWBuffers tb = term.buffers(dtype, false);
+          tb.term_only = true;
+          validate_buffers(tb);
+          adamw_kernel(isa)(tb, c, r[0], r[1]);
+          bool ok = true;
+          for (std::size_t i = 0; i < n && ok; ++i) {
+            const bool inside = i >= r[0] && i < r[1];
+            volatile float decayed = before.param[i] * c.decay;  // two roundings, as the device does
+            const float applied = inside ? decayed + term.param[i] : term.param[i];
+            ok = bits_of(applied) == bits_of(full.param[i]) &&
+                 bits_of(term.exp_avg[i]) == bits_of(full.exp_avg[i]) &&
+                 bits_of(term.exp_avg_sq[i]) == bits_of(full.exp_avg_sq[i]);
+            if (!ok) {
+              std::fprintf(stderr, "  %s term_only [%zu, %zu): wrong element %zu\n", isa_name(isa), r[0], r[1], i);
+            }
+          }
+          CHECK(ok);
+        }
+      }
+    }
+  }
+  State s(16, 5);
+  AdamWBuffers b = s.buffers(DType::float32, true);
+  b.term_only = true;
+  CHECK_THROWS_AS(validate_buffers(b), std::invalid_argument);  // bf16 weights need the master
+}
+
 TEST_CASE("bf16 output equals float_to_bf16 of the fp32 result, for any bit pattern in any lane") {
   // lr = 0 and no weight decay leave every weight as it was (x * 1 + (-0 * m) / denom), so
   // the weights can be arbitrary bit patterns: NaNs, infinities, rounding ties, denormals.

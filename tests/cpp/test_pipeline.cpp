@@ -44,15 +44,27 @@ class ManualTransfer : public Transfer {
   }
   void wait_download(TransferSlot&) override {}
   void upload(TransferSlot&, void* device, const void* host, std::size_t bytes) override {
-    ++uploads_entered;
-    while (hold_uploads) std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    if (fail_uploads) throw Error("upload failed on purpose");
+    enter_upload();
     std::memcpy(device, host, bytes);
     std::lock_guard<std::mutex> lock(mu);
     uploads.push_back(device);
   }
+  void upload_update(TransferSlot& slot, float* device, const float* term, std::size_t numel,
+                     float decay) override {
+    enter_upload();
+    Transfer::upload_update(slot, device, term, numel, decay);
+    std::lock_guard<std::mutex> lock(mu);
+    uploads.push_back(device);
+    ++term_uploads;
+  }
   void order_after_upload(TransferSlot&, std::uintptr_t) override {}
   bool upload_complete(TransferSlot&) override { return uploads_finished; }
+
+  void enter_upload() {
+    ++uploads_entered;
+    while (hold_uploads) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    if (fail_uploads) throw Error("upload failed on purpose");
+  }
 
   void land_all() {
     std::vector<std::function<void()>> now;
@@ -70,6 +82,7 @@ class ManualTransfer : public Transfer {
   std::atomic<bool> hold_uploads{false};  // parks the worker inside upload()
   std::atomic<bool> uploads_finished{true};  // what upload_complete() reports
   std::atomic<int> uploads_entered{0};
+  int term_uploads = 0;  // of `uploads`, those that sent an update term
   std::atomic<bool> fail_accumulate{false};
   std::atomic<int> accumulations{0};
 
@@ -80,11 +93,13 @@ class ManualTransfer : public Transfer {
 struct Rig {
   ManualTransfer* transfer;
   std::unique_ptr<OffloadPipeline> pipeline;
-  explicit Rig(std::size_t max_download_bytes = std::size_t(1) << 30, bool device_accumulate = true) {
+  explicit Rig(std::size_t max_download_bytes = std::size_t(1) << 30, bool device_accumulate = true,
+               std::size_t threads = 2) {
     auto t = std::make_unique<ManualTransfer>();
     transfer = t.get();
-    pipeline = std::make_unique<OffloadPipeline>(std::move(t), 2, Isa::scalar, max_download_bytes,
+    pipeline = std::make_unique<OffloadPipeline>(std::move(t), threads, Isa::scalar, max_download_bytes,
                                                  device_accumulate);
+    pipeline->set_upload_terms(true);  // as wrap() runs it; one test compares with it off
   }
 };
 
@@ -99,7 +114,7 @@ GradJob update_job(std::uintptr_t device_weight) {
 }  // namespace
 
 TEST_CASE("updates run in forward (priority) order once their gradients have landed") {
-  Rig rig;
+  Rig rig(std::size_t(1) << 30, true, /*threads=*/1);  // one engine thread: jobs start one at a time
   const std::size_t n = 1000;
   std::vector<float> grads(n, 0.5f);
   std::vector<std::vector<float>> weights(3, std::vector<float>(n, 1.0f));
@@ -114,7 +129,7 @@ TEST_CASE("updates run in forward (priority) order once their gradients have lan
   CHECK(rig.transfer->uploads_entered == 0);  // nothing has landed: nothing may run
   CHECK(rig.pipeline->pending() == 3);
 
-  // Park the worker in an earlier parameter's upload, land all three, then let it go: it must
+  // Park the engine in an earlier parameter's upload, land all three, then let it go: it must
   // choose among the three ready updates by priority, not by arrival.
   std::vector<float> blocker(n, 1.0f);
   auto first = rig.pipeline->add_param(n, DType::float32, false, 99);
@@ -163,6 +178,98 @@ TEST_CASE("the update matches HostAdamW on the same buffers") {
   engine.step(b, update_job(0).hyper);
   CHECK(std::memcmp(weight.data(), ref_p.data(), 4 * n) == 0);
   CHECK(std::memcmp(p->exp_avg, ref_m.data(), 4 * n) == 0);
+}
+
+TEST_CASE("jobs cut into chunks across threads give HostAdamW's updates and the pool's norms") {
+  const std::size_t threads = 4, n = 300000;  // 16 chunks a parameter on 4 threads
+  Rig rig(std::size_t(1) << 30, true, threads);
+  rig.pipeline->set_pack_gradients(false);
+  HostAdamW engine(threads, Isa::scalar);
+  GradJob job = update_job(0);
+  job.norm = true;
+  std::vector<std::vector<float>> grads, weights, refs;
+  std::vector<std::shared_ptr<HostParam>> params;
+  for (int k = 0; k < 3; ++k) {
+    grads.emplace_back(n);
+    weights.emplace_back(n);
+    for (std::size_t i = 0; i < n; ++i) {
+      grads[k][i] = std::sin(0.37f * i + k);
+      weights[k][i] = std::cos(0.11f * i - k);
+    }
+    refs.push_back(weights[k]);
+    params.push_back(rig.pipeline->add_param(n, DType::float32, false, k));
+    rig.pipeline->load_weights(*params[k], reinterpret_cast<std::uintptr_t>(weights[k].data()), 0);
+  }
+  for (int k = 0; k < 3; ++k) {
+    job.device_weight = reinterpret_cast<std::uintptr_t>(weights[k].data());
+    rig.pipeline->land_gradient(params[k], reinterpret_cast<std::uintptr_t>(grads[k].data()), 0, job);
+  }
+  rig.transfer->land_all();
+  rig.pipeline->synchronize();
+  CHECK(rig.transfer->uploads.size() == 3);
+  for (int k = 0; k < 3; ++k) {
+    std::vector<float> m(n, 0.f), v(n, 0.f);
+    AdamWBuffers b{refs[k].data(), grads[k].data(), DType::float32, m.data(), v.data(), nullptr, n};
+    engine.step(b, job.hyper);
+    CHECK(std::memcmp(weights[k].data(), refs[k].data(), 4 * n) == 0);
+    CHECK(std::memcmp(params[k]->exp_avg_sq, v.data(), 4 * n) == 0);
+    CHECK(params[k]->squared_norm == squared_norm(engine.pool(), grads[k].data(), DType::float32, n));
+  }
+}
+
+TEST_CASE("fp32 weights updated through the update term match an uploaded master, bit for bit") {
+  const std::size_t n = 5000;
+  std::vector<std::vector<float>> weights;
+  std::vector<std::shared_ptr<HostParam>> params;
+  std::vector<std::unique_ptr<Rig>> rigs;
+  for (bool terms : {true, false}) {
+    rigs.push_back(std::make_unique<Rig>());
+    rigs.back()->pipeline->set_upload_terms(terms);
+    weights.emplace_back(n);
+    for (std::size_t i = 0; i < n; ++i) weights.back()[i] = std::cos(0.11f * i) * (1.f + i % 7);
+    params.push_back(rigs.back()->pipeline->add_param(n, DType::float32, false));
+    rigs.back()->pipeline->load_weights(*params.back(), reinterpret_cast<std::uintptr_t>(weights.back().data()), 0);
+  }
+  std::vector<float> grad(n);
+  for (int step = 1; step <= 3; ++step) {
+    for (std::size_t i = 0; i < n; ++i) grad[i] = std::sin(0.37f * i + step) * std::ldexp(1.f, int(i % 23) - 11);
+    GradJob job = update_job(0);
+    job.hyper.step = step;
+    job.hyper.weight_decay = 0.1;
+    for (int k = 0; k < 2; ++k) {
+      job.device_weight = reinterpret_cast<std::uintptr_t>(weights[k].data());
+      rigs[k]->pipeline->land_gradient(params[k], reinterpret_cast<std::uintptr_t>(grad.data()), 0, job);
+      rigs[k]->transfer->land_all();
+      rigs[k]->pipeline->synchronize();
+    }
+  }
+  CHECK(rigs[0]->transfer->term_uploads == 3);
+  CHECK(rigs[1]->transfer->term_uploads == 0);
+  CHECK(weights[0] != std::vector<float>(n, 0.f));
+  CHECK(std::memcmp(weights[0].data(), weights[1].data(), 4 * n) == 0);
+  CHECK(std::memcmp(params[0]->exp_avg, params[1]->exp_avg, 4 * n) == 0);
+  CHECK(std::memcmp(params[0]->exp_avg_sq, params[1]->exp_avg_sq, 4 * n) == 0);
+}
+
+TEST_CASE("one job's upload does not hold up the next job on another thread") {
+  Rig rig;  // two engine threads
+  const std::size_t n = 1000;
+  std::vector<float> grad(n, 0.5f);
+  std::vector<std::vector<float>> weights(2, std::vector<float>(n, 1.0f));
+  rig.transfer->hold_uploads = true;
+  for (int k = 0; k < 2; ++k) {
+    auto p = rig.pipeline->add_param(n, DType::float32, false, k);
+    rig.pipeline->land_gradient(p, reinterpret_cast<std::uintptr_t>(grad.data()), 0,
+                                update_job(reinterpret_cast<std::uintptr_t>(weights[k].data())));
+  }
+  rig.transfer->land_all();
+  for (int i = 0; i < 2000 && rig.transfer->uploads_entered < 2; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  CHECK(rig.transfer->uploads_entered == 2);  // both threads are inside an upload at once
+  rig.transfer->hold_uploads = false;
+  rig.pipeline->synchronize();
+  CHECK(rig.transfer->uploads.size() == 2);
 }
 
 TEST_CASE("accumulation sums micro-batches in fp32; the first lands in the accumulator") {
@@ -363,6 +470,7 @@ TEST_CASE("device accumulation gives bit-identical sums, norms and updates to th
       for (bool device_accumulate : {false, true}) {
         OffloadPipeline host(std::make_unique<HostTransfer>(), 2, Isa::scalar, std::size_t(1) << 30,
                              device_accumulate);
+        host.set_upload_terms(true);
         CHECK(same_result(run_windows(host, nullptr, dtype, n), base));
       }
     }
@@ -444,7 +552,9 @@ TEST_CASE("a new window's first micro-batch waits for the last window's update f
     HostAdamW engine(1, Isa::scalar);
     AdamWBuffers b{master0.data(), window_sum.data(), DType::float32, ref_m.data(), ref_v.data(), nullptr, n};
     engine.step(b, micro_batch(1, 2, 0).hyper);
-    CHECK(std::memcmp(p->master, master0.data(), 4 * n) == 0);
+    // fp32 weights are updated where they live (upload_terms); bf16 ones keep their host master.
+    const void* updated = dtype == DType::float32 ? static_cast<const void*>(weight.data()) : p->master;
+    CHECK(std::memcmp(updated, master0.data(), 4 * n) == 0);
   }
 }
 

@@ -37,6 +37,11 @@ struct AdamWBuffers {
   float* exp_avg_sq = nullptr;
   std::uint16_t* param_bf16 = nullptr;  // optional: the updated weights rounded to bf16 (RNE)
   std::size_t numel = 0;
+  // Instead of updating `param` in place, write into it the update term -lr/bc1 * m / denom
+  // (with non-temporal stores, without reading it): for fp32 weights kept on a device, which
+  // applies weight * decay + term itself with the same two roundings (Transfer::upload_update).
+  // The host then reads 24 B a parameter instead of 28. Not with param_bf16.
+  bool term_only = false;
 };
 
 // Per-call constants, rounded to float exactly where torch's for-loop AdamW rounds them.
@@ -98,6 +103,8 @@ class HostAdamW {
   void step(const AdamWBuffers& buffers, const AdamWHyper& hyper);
 
   Isa isa() const { return isa_; }
+  // The kernel step() spreads over the pool, for callers that schedule the chunks themselves.
+  AdamWKernel kernel() const { return kernel_; }
   std::size_t threads() const { return pool_.size(); }
   ThreadPool& pool() { return pool_; }
 

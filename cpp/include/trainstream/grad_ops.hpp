@@ -20,8 +20,11 @@ bool bf16_exact(const float* src, std::size_t numel);
 // dst[i] = the high 16 bits of src[i]: bf16 without rounding, exact when bf16_exact(src).
 void pack_bf16_exact(std::uint16_t* dst, const float* src, std::size_t numel);
 
-// Sum of squares, accumulated in double.
+// Sum of squares, accumulated in double: the partial sums of chunk_elements(numel, pool.size())
+// long chunks, added in order.
 double squared_norm(ThreadPool& pool, const void* data, DType dtype, std::size_t numel);
+// One chunk's partial sum, over elements [begin, end).
+double squared_norm(const void* data, DType dtype, std::size_t begin, std::size_t end);
 
 // dst[i] = float(src[i]) for bf16 src; a plain copy for fp32.
 void to_float32(ThreadPool& pool, float* dst, const void* src, DType src_dtype, std::size_t numel);

@@ -1,6 +1,6 @@
 // The host half of an offloaded training step. Gradients land in host buffers as autograd
-// produces them; a worker thread then folds them into the accumulator, takes their norm, runs
-// AdamW and uploads the new weights, each parameter as soon as its own gradient is there.
+// produces them; the engine's threads then fold them into the accumulator, take their norm, run
+// AdamW and upload the new weights, each parameter as soon as its own gradient is there.
 // Python only enqueues work (from autograd hooks) and waits where ordering demands it.
 #pragma once
 
@@ -28,6 +28,8 @@ class HostParam {
  public:
   std::size_t numel = 0;
   DType weight_dtype = DType::float32;
+  // The fp32 master weights; for fp32 weights with OffloadPipeline::upload_terms, the last update
+  // term instead (the weights themselves are then only on the device).
   float* master = nullptr;
   float* exp_avg = nullptr;
   float* exp_avg_sq = nullptr;
@@ -57,7 +59,7 @@ class HostParam {
   std::uint64_t landed_ = 0;
 };
 
-// What the worker does for one parameter, in this order.
+// What the engine does for one parameter, in this order.
 struct GradJob {
   bool accumulate = false;      // fold the landed gradient into the accumulator...
   bool overwrite = false;       // ...replacing it (first micro-batch) instead of adding
@@ -126,10 +128,21 @@ class OffloadPipeline {
   // Whether bf16-exact fp32 gradients are sent as bf16 (default on); safe at any time.
   bool pack_gradients() const { return pack_gradients_; }
   void set_pack_gradients(bool on) { pack_gradients_ = on; }
+  // Whether an fp32 parameter's update sends only its term (AdamW in term_only mode, then
+  // Transfer::upload_update) rather than the updated master (default off; the CUDA transfer
+  // needs its staging buffer first): the host neither reads nor keeps current an fp32 copy of
+  // those weights; the device's are the weights. Switch it off only with no job queued, and
+  // reload the masters (load_weights) before the next update.
+  bool upload_terms() const { return upload_terms_; }
+  void set_upload_terms(bool on) { upload_terms_ = on; }
   std::size_t pending() const;
   std::size_t downloading_bytes() const;
 
  private:
+  // A queued job. Once started, its elements are split into chunks that the engine threads take
+  // one at a time; every stage of a job is elementwise (the norm keeps one partial sum a chunk),
+  // so chunks need no barrier between them, and a thread that finds no chunk left in a started
+  // job moves on to the next job while others finish theirs.
   struct Task {
     std::shared_ptr<HostParam> param;
     GradJob job;
@@ -137,13 +150,27 @@ class OffloadPipeline {
     std::uint64_t download;  // runs once this many of the parameter's downloads have landed
     std::uint64_t order;     // enqueue order, across parameters
     bool packed;             // its gradient went through download_bf16_exact
+    // Set by start():
+    std::atomic<bool> skip{false};  // a failure before or during the job: drain it unrun
+    const void* grad = nullptr;  // what norm and update read
+    DType grad_dtype = DType::float32;
+    DType landed = DType::float32;  // what the landing buffer holds
+    AdamWBuffers buffers;
+    AdamWCoeffs coeffs;
+    std::size_t chunk = 0, chunks = 0;
+    std::size_t next_chunk = 0, chunks_done = 0;  // under the mutex
+    std::vector<double> partial;  // squared norm of each chunk
   };
   static void check_accumulator(const HostParam& p, const GradJob& job);
   void enqueue(const std::shared_ptr<HostParam>& p, const GradJob& job, bool packed = false);
   void wait_idle(HostParam& p, std::unique_lock<std::mutex>& lock);
-  bool pick_locked(Task& out);
-  void run(Task& task);
+  std::unique_ptr<Task> pick_locked();
+  void start(Task& task);
+  Task* next_chunk_locked(std::size_t& chunk);
+  void run_chunk(Task& task, std::size_t chunk);
+  void finish(Task& task);
   void worker_loop();
+  void record_error();
   void rethrow_locked();
 
   std::unique_ptr<Transfer> transfer_;
@@ -151,18 +178,20 @@ class OffloadPipeline {
   std::size_t max_download_bytes_;
   std::atomic<bool> device_accumulate_;
   std::atomic<bool> pack_gradients_{true};
+  std::atomic<bool> upload_terms_{false};
 
   mutable std::mutex mutex_;
   std::condition_variable work_ready_;
   std::condition_variable job_done_;
   std::condition_variable landed_;
-  std::deque<Task> queue_;
+  std::deque<std::unique_ptr<Task>> queue_;    // not started
+  std::deque<std::unique_ptr<Task>> running_;  // started, in start order
   std::uint64_t order_ = 0;
   std::size_t in_flight_ = 0;
   std::size_t downloading_bytes_ = 0;
   bool stopping_ = false;
   std::exception_ptr error_;
-  std::thread worker_;
+  std::vector<std::thread> workers_;
 };
 
 }  // namespace trainstream

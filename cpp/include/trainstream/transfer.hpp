@@ -54,6 +54,16 @@ class Transfer {
   // Queue a host->device copy on the upload stream and mark the slot's upload point. The host
   // buffer must stay untouched until order_after_upload'ed work has run.
   virtual void upload(TransferSlot& slot, void* device, const void* host, std::size_t bytes) = 0;
+  // Queue, on the upload stream, the weight update whose term AdamW wrote in term_only mode:
+  // device[i] = device[i] * decay + term[i] in fp32, the multiply and the add each rounded once,
+  // as the host kernel does, so the weights come out bit-identical to uploading an updated
+  // master. Marks the slot's upload point; `term` stays untouched until order_after_upload'ed
+  // work has run. This default does it on the calling thread, for backends whose "device" memory
+  // is host memory.
+  virtual void upload_update(TransferSlot& slot, float* device, const float* term, std::size_t numel, float decay);
+  // Device memory that upload_update may stage terms in (CUDA: it copies a term there, then runs
+  // the update kernel, a piece at a time when the term is larger). Unused by this default.
+  virtual void set_staging(std::uintptr_t /*device*/, std::size_t /*bytes*/) {}
   // Make `stream` wait (on the device, not the host) for the slot's last upload.
   virtual void order_after_upload(TransferSlot& slot, std::uintptr_t stream) = 0;
   // Whether the slot's last upload has finished (without waiting); true if there was none. This

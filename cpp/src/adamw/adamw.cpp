@@ -67,6 +67,7 @@ void validate_buffers(const AdamWBuffers& b) {
              "AdamW: fp32 buffers must be 4-byte aligned");
   TS_EXPECTS(aligned(b.grad, gsize), "AdamW: gradient buffer is not aligned to its element size");
   TS_EXPECTS(!b.param_bf16 || aligned(b.param_bf16, 2), "AdamW: bf16 output must be 2-byte aligned");
+  TS_EXPECTS(!(b.term_only && b.param_bf16), "AdamW: term_only is for fp32 weights, not with param_bf16");
 
   std::vector<Range> ranges = {
       {"param", reinterpret_cast<std::uintptr_t>(b.param), 0},

@@ -42,18 +42,27 @@ void adamw_avx2(const AdamWBuffers& b, const AdamWCoeffs& c, std::size_t begin, 
   std::size_t i = begin;
   for (; i + 8 <= end; i += 8) {
     const __m256 g = _mm256_xor_ps(_mm256_mul_ps(load_grad(b, i), scale), sign);
-    const __m256 p = _mm256_mul_ps(_mm256_loadu_ps(b.param + i), decay);
     const __m256 m0 = _mm256_loadu_ps(b.exp_avg + i);
     const __m256 m = _mm256_fmadd_ps(lerp, _mm256_sub_ps(g, m0), c.lerp_from_start ? m0 : g);
     const __m256 v = _mm256_fmadd_ps(_mm256_mul_ps(omb2, g), g,
                                      _mm256_mul_ps(_mm256_loadu_ps(b.exp_avg_sq + i), beta2));
     const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), bc2), eps);
-    const __m256 pn = _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(nss, m), denom));
+    const __m256 term = _mm256_div_ps(_mm256_mul_ps(nss, m), denom);
     _mm256_storeu_ps(b.exp_avg + i, m);
     _mm256_storeu_ps(b.exp_avg_sq + i, v);
+    if (b.term_only) {  // streamed past the caches: nothing here reads it again
+      if (reinterpret_cast<std::uintptr_t>(b.param + i) % 32 == 0) {
+        _mm256_stream_ps(b.param + i, term);
+      } else {
+        _mm256_storeu_ps(b.param + i, term);
+      }
+      continue;
+    }
+    const __m256 pn = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(b.param + i), decay), term);
     _mm256_storeu_ps(b.param + i, pn);
     if (b.param_bf16) _mm_storeu_si128(reinterpret_cast<__m128i*>(b.param_bf16 + i), to_bf16(pn));
   }
+  if (b.term_only) _mm_sfence();  // the streamed stores are visible before the caller moves on
   if (i < end) adamw_scalar(b, c, i, end);
 }
 

@@ -18,13 +18,17 @@ void adamw_scalar(const AdamWBuffers& b, const AdamWCoeffs& c, std::size_t begin
   for (std::size_t i = begin; i < end; ++i) {
     float g = (bf16_grad ? bf16_to_float(g16[i]) : g32[i]) * c.grad_scale;
     if (c.maximize) g = -g;
-    const float pi = p[i] * c.decay;
     const float mi = std::fma(c.lerp_coeff, g - m[i], c.lerp_from_start ? m[i] : g);
     const float vi = std::fma(c.one_minus_beta2 * g, g, v[i] * c.beta2);  // as torch's addcmul_
     const float denom = std::sqrt(vi) / c.bc2_sqrt + c.eps;
-    const float pn = pi + c.neg_step_size * mi / denom;
+    const float term = c.neg_step_size * mi / denom;
     m[i] = mi;
     v[i] = vi;
+    if (b.term_only) {
+      p[i] = term;
+      continue;
+    }
+    const float pn = p[i] * c.decay + term;
     p[i] = pn;
     if (b.param_bf16) b.param_bf16[i] = float_to_bf16(pn);
   }

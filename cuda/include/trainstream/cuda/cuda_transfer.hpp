@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <mutex>
 
 #include "trainstream/host_arena.hpp"
 #include "trainstream/transfer.hpp"
@@ -39,6 +40,11 @@ class CudaTransfer : public Transfer {
                            std::function<void()> landed) override;
   void wait_download(TransferSlot& slot) override;
   void upload(TransferSlot& slot, void* device, const void* host, std::size_t bytes) override;
+  // On the upload stream: the term is copied to the staging buffer, then a kernel
+  // (cuda/kernels/apply_update.cu) adds it to the decayed weights, a staging buffer's worth at a
+  // time. Calls from several threads are serialised, since they share the staging buffer.
+  void upload_update(TransferSlot& slot, float* device, const float* term, std::size_t numel, float decay) override;
+  void set_staging(std::uintptr_t device, std::size_t bytes) override;
   void order_after_upload(TransferSlot& slot, std::uintptr_t stream) override;
   bool upload_complete(TransferSlot& slot) override;
   void bind_thread() override;
@@ -48,6 +54,9 @@ class CudaTransfer : public Transfer {
   std::uintptr_t download_stream_;
   std::uintptr_t upload_stream_;
   HostArena arena_;
+  std::mutex staging_mutex_;
+  float* staging_ = nullptr;  // device memory owned by the caller
+  std::size_t staging_floats_ = 0;
 };
 
 }  // namespace trainstream
