@@ -25,6 +25,7 @@ import re
 import socket
 import sys
 import time
+import types
 
 import torch
 
@@ -139,6 +140,12 @@ def run_mode(mode: str, args) -> dict:
         opt = CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-4, weight_decay=0.01)
     elif base == "deepspeed":
         model, opt = deepspeed_engine(model, args)
+    elif base == "no-optimizer":
+        # The VRAM floor of an optimizer that keeps nothing but the weights on the GPU: forward and
+        # backward, each gradient dropped as soon as autograd has produced it, no update.
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(lambda q: setattr(q, "grad", None))
+        opt = types.SimpleNamespace(step=lambda: None, zero_grad=lambda set_to_none=True: None)
     else:
         raise ValueError(f"unknown mode {mode}")
 
@@ -156,7 +163,7 @@ def run_mode(mode: str, args) -> dict:
             else:
                 (loss / acc).backward()
         if base != "deepspeed":
-            if args.clip is not None and base != "trainstream":
+            if args.clip is not None and base not in ("trainstream", "no-optimizer"):
                 torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -235,7 +242,8 @@ def main(argv=None) -> int:
                     help="cap this process's VRAM (torch.cuda.set_per_process_memory_fraction)")
     add_paging_arguments(ap)
     ap.add_argument("--modes", default="gpu-adamw,trainstream,torchao",
-                    help="comma list of gpu-adamw, trainstream, torchao, deepspeed; a '+ckpt' (gradient "
+                    help="comma list of gpu-adamw, trainstream, torchao, deepspeed, no-optimizer (forward "
+                         "and backward only, each gradient dropped at once: weights and activations); a '+ckpt' (gradient "
                          "checkpointing) or '+save_on_cpu' (torch's save_on_cpu) suffix, a '+paged' (our "
                          "activation paging with --activations/--vram-budget) or '+auto' (our "
                          "paging, automatic) suffix, or one of each, changes how activations are kept; "
