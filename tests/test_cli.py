@@ -50,6 +50,39 @@ def test_verify_without_gpu_says_so():
     assert "FAIL" in done.stderr and "CUDA" in done.stderr
 
 
+@pytest.mark.parametrize("extra_mib,verdict", [(0, 0), (40, 1)], ids=["staging-only", "leak"])
+def test_verify_counts_the_staging_buffer_and_nothing_more(monkeypatch, capsys, extra_mib, verdict):
+    """verify's verdict from the figures a GPU run would give: VRAM beyond the weights may be the
+    update staging buffer (reported), plus the stock run's fixed overhead and 16 MiB, no more."""
+    from trainstream import verify
+
+    mib = 1 << 20
+    overhead = mib  # what the stock run holds besides weights and optimizer state
+
+    def run(kind, args):
+        place = {"vram": 0, "pinned": 0, "pageable": 0}
+        stock = kind == "stock"
+        result = {
+            "losses": [1.0, 0.9], "weights": dict(place, vram=100 * mib),
+            "optimizer_state": dict(place, **({"vram": 200 * mib} if stock else {"pinned": 200 * mib})),
+            "grads_seen_on_gpu_after_backward": 100 * mib if stock else 0,
+            "vram_allocated": 300 * mib + overhead if stock else (100 + 64 + extra_mib) * mib + overhead,
+        }
+        if not stock:
+            result["host"] = {"host_bytes_used": 1 << 30, "host_memory_kind": "pinned",
+                              "host_bytes_per_param": 16.0, "threads": 16, "isa": "avx512",
+                              "vram_staging_bytes": 64 * mib}
+        return result
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "a GPU")
+    monkeypatch.setattr(verify, "run", run)
+    assert verify.main([]) == verdict
+    out = capsys.readouterr().out
+    assert "update staging buffer in VRAM" in out
+    assert ("PASS" if verdict == 0 else "FAIL") in out.splitlines()[-1]
+
+
 def test_native_module_loads_and_runs_without_torch():
     """What the wheel build's smoke test checks: _C needs neither torch nor a GPU."""
     from pathlib import Path
