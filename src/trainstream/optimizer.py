@@ -129,8 +129,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         if not on and self._pipeline.upload_terms:
             # The host kept no fp32 copy of these weights: take it from the device before the
             # next update reads it.
-            self._pipeline.synchronize()
-            self._pipeline.gate(self._hosts, self._current_stream())
+            self.synchronize()
             for s in fp32:
                 self._pipeline.load_weights(s.host, s.param.data_ptr(), self._current_stream())
             self._pipeline.set_upload_staging(0, 0)
