@@ -2,6 +2,7 @@
 
 #include "common.hpp"
 #include "trainstream/bandwidth.hpp"
+#include "trainstream/grad_ops.hpp"
 
 namespace trainstream::bindings {
 
@@ -36,7 +37,16 @@ void bind_adamw(py::module_& m) {
           py::arg("exp_avg_sq"), py::arg("numel"), py::kw_only(), py::arg("lr"), py::arg("beta1"),
           py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("step"),
           py::arg("grad_scale") = 1.0, py::arg("maximize") = false, py::arg("param_bf16") = 0,
-          "One AdamW update of one parameter given by host addresses. Releases the GIL.");
+          "One AdamW update of one parameter given by host addresses. Releases the GIL.")
+      .def(
+          "squared_norm",
+          [](HostAdamW& self, std::uintptr_t data, const std::string& dtype, std::size_t numel) {
+            const DType d = parse_dtype(dtype);
+            py::gil_scoped_release release;
+            return squared_norm(self.pool(), as_ptr<const void>(data), d, numel);
+          },
+          py::arg("data"), py::arg("dtype"), py::arg("numel"),
+          "The gradient norm's square as every placement computes it (grad_ops.hpp), over the pool.");
 
   m.def(
       "measure_triad",

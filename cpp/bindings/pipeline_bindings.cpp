@@ -90,6 +90,13 @@ void bind_pipeline(py::module_& m) {
            }, py::arg("device"), py::arg("nbytes"),
            "Device memory the CUDA transfer stages update terms in (the caller keeps it alive).")
       .def_property_readonly("pending", &OffloadPipeline::pending)
+      .def("stats", [](const OffloadPipeline& o) {
+             const OffloadPipeline::Stats s = o.stats();
+             py::dict d;
+             d["busy_seconds"] = s.busy_seconds;
+             d["updated_elements"] = s.updated_elements;
+             return d;
+           }, "Wall seconds the engine's threads ran chunks, and elements updated, since it started.")
       .def_property_readonly("downloading_bytes", &OffloadPipeline::downloading_bytes)
       .def("add_param", [](OffloadPipeline& o, std::size_t numel, const std::string& dtype, bool accumulate,
                            std::int64_t priority) {

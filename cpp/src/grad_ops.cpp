@@ -70,29 +70,45 @@ void pack_bf16_exact(std::uint16_t* dst, const float* src, std::size_t numel) {
   }
 }
 
-double squared_norm(const void* data, DType dtype, std::size_t begin, std::size_t end) {
-  double s0 = 0, s1 = 0, s2 = 0, s3 = 0;  // independent sums keep the FPU pipelines busy
-  std::size_t i = begin;
-  auto at = [&](std::size_t k) -> double {
-    return dtype == DType::bfloat16 ? bf16_to_float(static_cast<const std::uint16_t*>(data)[k])
-                                    : static_cast<const float*>(data)[k];
+double squared_norm_block(const void* data, DType dtype, std::size_t begin, std::size_t end) {
+  double lanes[kNormLanes] = {};
+  auto add = [&](auto load) {
+    std::size_t i = begin;
+    for (; i + kNormLanes <= end; i += kNormLanes) {
+      for (std::size_t l = 0; l < kNormLanes; ++l) {
+        const double x = load(i + l);
+        lanes[l] += x * x;
+      }
+    }
+    for (std::size_t l = 0; i + l < end; ++l) {
+      const double x = load(i + l);
+      lanes[l] += x * x;
+    }
   };
-  for (; i + 4 <= end; i += 4) {
-    const double a = at(i), b = at(i + 1), c = at(i + 2), d = at(i + 3);
-    s0 += a * a;
-    s1 += b * b;
-    s2 += c * c;
-    s3 += d * d;
+  if (dtype == DType::bfloat16) {
+    const auto* g = static_cast<const std::uint16_t*>(data);
+    add([g](std::size_t k) { return static_cast<double>(bf16_to_float(g[k])); });
+  } else {
+    const auto* g = static_cast<const float*>(data);
+    add([g](std::size_t k) { return static_cast<double>(g[k]); });
   }
-  for (; i < end; ++i) s0 += at(i) * at(i);
-  return (s0 + s1) + (s2 + s3);
+  for (std::size_t width = kNormLanes / 2; width > 0; width /= 2) {
+    for (std::size_t l = 0; l < width; ++l) lanes[l] += lanes[l + width];
+  }
+  return lanes[0];
+}
+
+void squared_norm_blocks(const void* data, DType dtype, std::size_t begin, std::size_t end, std::size_t numel,
+                         double* partials) {
+  for (std::size_t b = begin; b < end; b += kNormBlock) {
+    *partials++ = squared_norm_block(data, dtype, b, std::min(numel, b + kNormBlock));
+  }
 }
 
 double squared_norm(ThreadPool& pool, const void* data, DType dtype, std::size_t numel) {
-  const std::size_t chunk = chunk_elements(numel, pool.size());
-  std::vector<double> partial((numel + chunk - 1) / chunk, 0.0);
-  for_chunks(pool, numel, [&](std::size_t b, std::size_t e, std::size_t t) {
-    partial[t] = squared_norm(data, dtype, b, e);
+  std::vector<double> partial((numel + kNormBlock - 1) / kNormBlock, 0.0);
+  for_chunks(pool, numel, [&](std::size_t b, std::size_t e, std::size_t) {
+    squared_norm_blocks(data, dtype, b, e, numel, partial.data() + b / kNormBlock);
   });
   double total = 0;
   for (double p : partial) total += p;

@@ -8,6 +8,8 @@
 
 namespace trainstream {
 
+static_assert(kChunkAlignment % kNormBlock == 0, "a job's chunks must hold whole norm blocks");
+
 OffloadPipeline::OffloadPipeline(std::unique_ptr<Transfer> transfer, std::size_t threads,
                                  std::optional<Isa> isa, std::size_t max_download_bytes,
                                  bool device_accumulate)
@@ -53,6 +55,7 @@ std::shared_ptr<HostParam> OffloadPipeline::add_param(std::size_t numel, DType w
   p->exp_avg_sq = static_cast<float*>(arena.allocate(4 * numel));
   p->grad = arena.allocate(p->weight_bytes());
   if (accumulate) p->accumulator = static_cast<float*>(arena.allocate(4 * numel));
+  p->landing_dtype_ = weight_dtype;
   if (weight_dtype == DType::float32) {
     p->inexact_ = static_cast<std::uint32_t*>(arena.allocate(sizeof(std::uint32_t)));
     p->packs_ = true;
@@ -159,7 +162,7 @@ void OffloadPipeline::land_gradient(const std::shared_ptr<HostParam>& p, std::ui
     landed_.notify_all();
     throw;
   }
-  if (queue_job) enqueue(p, job, packed);
+  if (queue_job) enqueue(p, job, route == Route::landing, packed);
 }
 
 void OffloadPipeline::submit(const std::shared_ptr<HostParam>& p, const GradJob& job) { enqueue(p, job); }
@@ -169,7 +172,7 @@ void OffloadPipeline::check_accumulator(const HostParam& p, const GradJob& job) 
              "OffloadPipeline: accumulation requested for a parameter without an accumulator");
 }
 
-void OffloadPipeline::enqueue(const std::shared_ptr<HostParam>& p, const GradJob& job, bool packed) {
+void OffloadPipeline::enqueue(const std::shared_ptr<HostParam>& p, const GradJob& job, bool landing, bool packed) {
   check_accumulator(*p, job);
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -182,6 +185,7 @@ void OffloadPipeline::enqueue(const std::shared_ptr<HostParam>& p, const GradJob
     task->seq = ++p->queued_;
     task->download = p->downloads_;
     task->order = ++order_;
+    task->landing = landing;
     task->packed = packed;
     queue_.push_back(std::move(task));
     ++in_flight_;
@@ -220,21 +224,24 @@ void OffloadPipeline::start(Task& task) {
   HostParam& p = *task.param;
   const GradJob& job = task.job;
   task.skip = error_ != nullptr;  // after a failure, jobs are drained unrun
-  task.landed = p.weight_dtype;
-  if (task.packed) {
-    if (*p.inexact_ == 0) {
-      task.landed = DType::bfloat16;
-    } else {
-      p.packs_ = false;  // e.g. a tied or fp32-computed weight: stop testing its gradients
+  if (task.landing) {  // this job's own download: what it wrote, for this job and the later ones
+    p.landing_dtype_ = p.weight_dtype;
+    if (task.packed) {
+      if (*p.inexact_ == 0) {
+        p.landing_dtype_ = DType::bfloat16;
+      } else {
+        p.packs_ = false;  // e.g. a tied or fp32-computed weight: stop testing its gradients
+      }
+      p.sent_bf16_ = p.landing_dtype_ == DType::bfloat16;
     }
-    p.sent_bf16_ = task.landed == DType::bfloat16;
   }
+  task.landed = p.landing_dtype_;
   task.grad = job.from_accumulator ? static_cast<const void*>(p.accumulator) : p.grad;
   task.grad_dtype = job.from_accumulator ? DType::float32 : task.landed;
-  task.chunk = chunk_elements(p.numel, workers_.size());  // the pool's chunks: the same norm sums
+  task.chunk = chunk_elements(p.numel, workers_.size());  // whole norm blocks
   const bool elementwise = job.accumulate || job.norm || job.update;
   task.chunks = elementwise ? (p.numel + task.chunk - 1) / task.chunk : 1;
-  if (job.norm) task.partial.assign(task.chunks, 0.0);
+  if (job.norm) task.partial.assign((p.numel + kNormBlock - 1) / kNormBlock, 0.0);
   if (job.update && !task.skip) {
     AdamWBuffers& b = task.buffers;
     b.param = p.master;
@@ -285,7 +292,9 @@ void OffloadPipeline::run_chunk(Task& task, std::size_t chunk) {
     const char* grad = static_cast<const char*>(p.grad) + begin * dtype_size(task.landed);
     accumulate_grad(p.accumulator + begin, grad, task.landed, end - begin, job.overwrite);
   }
-  if (job.norm) task.partial[chunk] = squared_norm(task.grad, task.grad_dtype, begin, end);
+  if (job.norm) {
+    squared_norm_blocks(task.grad, task.grad_dtype, begin, end, p.numel, task.partial.data() + begin / kNormBlock);
+  }
   if (job.update) engine_.kernel()(task.buffers, task.coeffs, begin, end);
 }
 
@@ -319,6 +328,7 @@ void OffloadPipeline::worker_loop() {
       return task || (stopping_ && queue_.empty() && running_.empty());
     });
     if (!task) return;  // stopping, nothing left
+    if (running_chunks_++ == 0) busy_since_ = std::chrono::steady_clock::now();
     lock.unlock();
     bool ok = true;
     try {
@@ -332,6 +342,9 @@ void OffloadPipeline::worker_loop() {
       ok = false;
     }
     lock.lock();
+    if (--running_chunks_ == 0) {
+      stats_.busy_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - busy_since_).count();
+    }
     if (!ok) task->skip = true;
     if (++task->chunks_done < task->chunks) continue;
     // This thread ran the job's last chunk: it finishes the job.
@@ -345,6 +358,7 @@ void OffloadPipeline::worker_loop() {
       record_error();
     }
     lock.lock();
+    if (done->job.update && !done->skip) stats_.updated_elements += done->param->numel;
     ++done->param->done_;
     --in_flight_;
     job_done_.notify_all();
@@ -386,6 +400,11 @@ void OffloadPipeline::synchronize() {
 std::size_t OffloadPipeline::pending() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return in_flight_;
+}
+
+OffloadPipeline::Stats OffloadPipeline::stats() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return stats_;
 }
 
 std::size_t OffloadPipeline::downloading_bytes() const {

@@ -497,14 +497,14 @@ TEST_CASE("HostAdamW rejects bad calls without writing anything") {
   CHECK(same_state(s, before, "after rejected calls"));
 }
 
-TEST_CASE("chunk_elements gives multiples of 16 that cover numel in at most 4 chunks per thread") {
+TEST_CASE("chunk_elements gives whole norm blocks that cover numel in at most 4 chunks per thread") {
   const std::size_t sizes[] = {1, 15, 16, 17, 16383, 16384, 16385, 100003, 1u << 20,
                                (std::size_t(1) << 28) + 5, std::size_t(3) << 32};
   for (std::size_t numel : sizes) {
     for (std::size_t threads : {1, 2, 3, 4, 7, 16, 64, 256}) {
       const std::size_t chunk = chunk_elements(numel, threads);
       const std::size_t tasks = (numel + chunk - 1) / chunk;
-      const bool ok = chunk > 0 && chunk % 16 == 0 && tasks * chunk >= numel &&
+      const bool ok = chunk > 0 && chunk % kChunkAlignment == 0 && tasks * chunk >= numel &&
                       (tasks - 1) * chunk < numel && tasks <= 4 * threads;
       if (!ok) std::fprintf(stderr, "  numel %zu threads %zu: chunk %zu\n", numel, threads, chunk);
       CHECK(ok);

@@ -178,6 +178,9 @@ TEST_CASE("the update matches HostAdamW on the same buffers") {
   engine.step(b, update_job(0).hyper);
   CHECK(std::memcmp(weight.data(), ref_p.data(), 4 * n) == 0);
   CHECK(std::memcmp(p->exp_avg, ref_m.data(), 4 * n) == 0);
+  const OffloadPipeline::Stats stats = rig.pipeline->stats();  // what the planner reads
+  CHECK(stats.updated_elements == n);
+  CHECK(stats.busy_seconds > 0);
 }
 
 TEST_CASE("jobs cut into chunks across threads give HostAdamW's updates and the pool's norms") {
@@ -215,6 +218,72 @@ TEST_CASE("jobs cut into chunks across threads give HostAdamW's updates and the 
     CHECK(std::memcmp(params[k]->exp_avg_sq, v.data(), 4 * n) == 0);
     CHECK(params[k]->squared_norm == squared_norm(engine.pool(), grads[k].data(), DType::float32, n));
   }
+}
+
+// The norm as grad_ops.hpp defines it, written out one element at a time.
+static double reference_norm(const float* x, std::size_t numel) {
+  double total = 0;
+  for (std::size_t b = 0; b < numel; b += kNormBlock) {
+    std::vector<double> lane(kNormLanes, 0.0);
+    for (std::size_t i = b; i < std::min(numel, b + kNormBlock); ++i) lane[(i - b) % kNormLanes] += double(x[i]) * x[i];
+    for (std::size_t w = kNormLanes / 2; w > 0; w /= 2) {
+      for (std::size_t l = 0; l < w; ++l) lane[l] = lane[l] + lane[l + w];
+    }
+    total += lane[0];
+  }
+  return total;
+}
+
+TEST_CASE("the gradient norm has the same bits for any number of engine threads") {
+  for (std::size_t n : {std::size_t(1), std::size_t(7), std::size_t(4099), std::size_t(16384 * 3 + 5),
+                        std::size_t(250001)}) {
+    std::vector<float> g(n);
+    for (std::size_t i = 0; i < n; ++i) g[i] = std::sin(0.37f * i) * (1e-3f + i % 13);
+    const double want = reference_norm(g.data(), n);
+    for (std::size_t threads : {1, 2, 3, 8}) {
+      HostAdamW engine(threads, Isa::scalar);
+      CHECK(squared_norm(engine.pool(), g.data(), DType::float32, n) == want);
+      Rig rig(std::size_t(1) << 30, true, threads);
+      auto p = rig.pipeline->add_param(n, DType::float32, false);
+      GradJob job;
+      job.norm = true;
+      rig.pipeline->land_gradient(p, reinterpret_cast<std::uintptr_t>(g.data()), 0, job);
+      rig.transfer->land_all();
+      rig.pipeline->synchronize();
+      CHECK(p->squared_norm == want);
+    }
+  }
+}
+
+TEST_CASE("an update queued after the norm reads a gradient that landed as bf16 as bf16") {
+  // With clipping, the gradient's job takes only its norm; the update comes later, from step().
+  // A bf16-exact fp32 gradient lands packed (half the bytes): the later job must read it so.
+  const std::size_t n = 5000;
+  std::vector<float> grad(n);
+  for (std::size_t i = 0; i < n; ++i) grad[i] = bf16_to_float(float_to_bf16(std::sin(0.37f * i)));
+  std::vector<std::vector<float>> weights;
+  std::vector<std::shared_ptr<HostParam>> params;
+  std::vector<std::unique_ptr<OffloadPipeline>> pipes;
+  for (bool pack : {true, false}) {
+    pipes.push_back(std::make_unique<OffloadPipeline>(std::make_unique<HostTransfer>(), 2, Isa::scalar));
+    OffloadPipeline& pipe = *pipes.back();
+    pipe.set_pack_gradients(pack);
+    weights.emplace_back(n);
+    for (std::size_t i = 0; i < n; ++i) weights.back()[i] = std::cos(0.11f * i);
+    params.push_back(pipe.add_param(n, DType::float32, false));
+    pipe.load_weights(*params.back(), reinterpret_cast<std::uintptr_t>(weights.back().data()), 0);
+    GradJob norm;
+    norm.norm = true;
+    pipe.land_gradient(params.back(), reinterpret_cast<std::uintptr_t>(grad.data()), 0, norm);
+    pipe.synchronize();
+    pipe.submit(params.back(), update_job(reinterpret_cast<std::uintptr_t>(weights.back().data())));
+    pipe.synchronize();
+  }
+  CHECK(params[0]->last_gradient_as_bf16() && !params[1]->last_gradient_as_bf16());
+  CHECK(params[0]->squared_norm == params[1]->squared_norm);
+  CHECK(std::memcmp(weights[0].data(), weights[1].data(), 4 * n) == 0);
+  CHECK(std::memcmp(params[0]->exp_avg, params[1]->exp_avg, 4 * n) == 0);
+  CHECK(std::memcmp(params[0]->exp_avg_sq, params[1]->exp_avg_sq, 4 * n) == 0);
 }
 
 TEST_CASE("fp32 weights updated through the update term match an uploaded master, bit for bit") {

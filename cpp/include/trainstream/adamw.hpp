@@ -114,8 +114,9 @@ class HostAdamW {
   ThreadPool pool_;
 };
 
-// Splits [0, numel) into cache-line-aligned chunks for a pool of `threads`:
-// returns the chunk length in elements (a multiple of 16).
+// Splits [0, numel) into chunks for a pool of `threads`: returns the chunk length in elements, a
+// multiple of kChunkAlignment (cache-line aligned, and whole blocks of the gradient norm).
+constexpr std::size_t kChunkAlignment = 4096;
 std::size_t chunk_elements(std::size_t numel, std::size_t threads);
 
 }  // namespace trainstream

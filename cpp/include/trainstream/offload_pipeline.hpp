@@ -5,6 +5,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -35,7 +36,7 @@ class HostParam {
   float* exp_avg_sq = nullptr;
   void* grad = nullptr;
   float* accumulator = nullptr;
-  double squared_norm = 0.0;  // of the last gradient measured with GradJob::norm
+  double squared_norm = 0.0;  // of the last gradient measured with GradJob::norm (grad_ops.hpp)
   // Position in the forward pass (lower runs first): updates are done in this order when
   // several are ready, so the next forward can start while later layers still update.
   std::int64_t priority = 0;
@@ -52,6 +53,9 @@ class HostParam {
   std::uint32_t* inexact_ = nullptr;  // fp32 weights: Transfer::download_bf16_exact's verdict
   std::atomic<bool> packs_{false};
   std::atomic<bool> sent_bf16_{false};
+  // What the landing buffer holds, as decided by the job that consumed its last download: later
+  // jobs on it (the update queued at step() after a norm) read it the same way. Engine threads only.
+  DType landing_dtype_ = DType::float32;
   // Under the pipeline's mutex: jobs enqueued / finished, downloads issued / landed.
   std::uint64_t queued_ = 0;
   std::uint64_t done_ = 0;
@@ -137,10 +141,17 @@ class OffloadPipeline {
   void set_upload_terms(bool on) { upload_terms_ = on; }
   std::size_t pending() const;
   std::size_t downloading_bytes() const;
+  // How fast the engine updates, for the placement planner: wall seconds during which at least one
+  // thread ran a chunk, and elements updated, since construction.
+  struct Stats {
+    double busy_seconds = 0;
+    std::uint64_t updated_elements = 0;
+  };
+  Stats stats() const;
 
  private:
   // A queued job. Once started, its elements are split into chunks that the engine threads take
-  // one at a time; every stage of a job is elementwise (the norm keeps one partial sum a chunk),
+  // one at a time; every stage of a job is elementwise (the norm keeps one partial a norm block),
   // so chunks need no barrier between them, and a thread that finds no chunk left in a started
   // job moves on to the next job while others finish theirs.
   struct Task {
@@ -149,7 +160,8 @@ class OffloadPipeline {
     std::uint64_t seq;       // this parameter's job number (1-based)
     std::uint64_t download;  // runs once this many of the parameter's downloads have landed
     std::uint64_t order;     // enqueue order, across parameters
-    bool packed;             // its gradient went through download_bf16_exact
+    bool landing;            // its own download wrote the landing buffer (land_gradient, landing route)
+    bool packed;             // ...through download_bf16_exact
     // Set by start():
     std::atomic<bool> skip{false};  // a failure before or during the job: drain it unrun
     const void* grad = nullptr;  // what norm and update read
@@ -159,10 +171,10 @@ class OffloadPipeline {
     AdamWCoeffs coeffs;
     std::size_t chunk = 0, chunks = 0;
     std::size_t next_chunk = 0, chunks_done = 0;  // under the mutex
-    std::vector<double> partial;  // squared norm of each chunk
+    std::vector<double> partial;  // squared norm of each norm block (grad_ops.hpp)
   };
   static void check_accumulator(const HostParam& p, const GradJob& job);
-  void enqueue(const std::shared_ptr<HostParam>& p, const GradJob& job, bool packed = false);
+  void enqueue(const std::shared_ptr<HostParam>& p, const GradJob& job, bool landing = false, bool packed = false);
   void wait_idle(HostParam& p, std::unique_lock<std::mutex>& lock);
   std::unique_ptr<Task> pick_locked();
   void start(Task& task);
@@ -188,6 +200,9 @@ class OffloadPipeline {
   std::deque<std::unique_ptr<Task>> running_;  // started, in start order
   std::uint64_t order_ = 0;
   std::size_t in_flight_ = 0;
+  std::size_t running_chunks_ = 0;
+  std::chrono::steady_clock::time_point busy_since_;
+  Stats stats_;
   std::size_t downloading_bytes_ = 0;
   bool stopping_ = false;
   std::exception_ptr error_;

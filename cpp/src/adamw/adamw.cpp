@@ -104,12 +104,13 @@ AdamWKernel adamw_kernel(Isa isa) {
 
 std::size_t chunk_elements(std::size_t numel, std::size_t threads) {
   // A few chunks per thread balance a late-waking thread; each chunk stays long enough
-  // (>= 64 KiB of every stream) for the hardware prefetchers to run ahead.
+  // (>= 64 KiB of every stream) for the hardware prefetchers to run ahead. Whole blocks of
+  // kChunkAlignment elements: a chunk then holds whole blocks of the gradient norm (grad_ops.hpp).
   constexpr std::size_t kMinChunk = 16384;
   threads = std::max<std::size_t>(threads, 1);
   const std::size_t per_task = (numel + 4 * threads - 1) / (4 * threads);
   const std::size_t chunk = std::max(kMinChunk, per_task);
-  return (chunk + 15) / 16 * 16;
+  return (chunk + kChunkAlignment - 1) / kChunkAlignment * kChunkAlignment;
 }
 
 HostAdamW::HostAdamW(std::size_t threads, std::optional<Isa> isa)
