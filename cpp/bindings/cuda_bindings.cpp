@@ -4,9 +4,28 @@
 
 #include "trainstream/cuda/cuda_transfer.hpp"
 #include "trainstream/cuda/device.hpp"
+#include "trainstream/cuda/device_adamw.hpp"
 #include "trainstream/offload_pipeline.hpp"
 
 namespace trainstream::bindings {
+
+namespace {
+
+using Addresses = std::vector<std::uintptr_t>;
+
+std::vector<DType> parse_dtypes(const std::vector<std::string>& names) {
+  std::vector<DType> out;
+  for (const auto& n : names) out.push_back(parse_dtype(n));
+  return out;
+}
+
+void check_sizes(std::size_t n, std::initializer_list<std::size_t> sizes) {
+  for (std::size_t s : sizes) {
+    if (s != n) throw std::invalid_argument("device AdamW: the per-tensor lists differ in length");
+  }
+}
+
+}  // namespace
 
 void bind_cuda(py::module_& m) {
   m.def("cuda_info", [] {
@@ -32,6 +51,60 @@ void bind_cuda(py::module_& m) {
         "An offload pipeline over pinned host memory, copying on the two given CUDA streams. With "
         "device_accumulate, micro-batch gradients are added into the host accumulator by a kernel "
         "on the download stream instead of being copied and added on the host.");
+
+  m.def("device_adamw_step",
+        [](int device, std::uintptr_t stream, const Addresses& params, const Addresses& grads,
+           const std::vector<std::string>& grad_dtypes, const Addresses& exp_avgs, const Addresses& exp_avg_sqs,
+           const Addresses& params_bf16, const std::vector<std::size_t>& numels, double lr, double beta1,
+           double beta2, double eps, double weight_decay, std::int64_t step, double grad_scale, bool maximize,
+           std::uintptr_t device_scale) {
+          const std::size_t n = params.size();
+          check_sizes(n, {grads.size(), grad_dtypes.size(), exp_avgs.size(), exp_avg_sqs.size(), params_bf16.size(),
+                          numels.size()});
+          const std::vector<DType> dtypes = parse_dtypes(grad_dtypes);
+          std::vector<DeviceAdamWTensor> tensors(n);
+          for (std::size_t k = 0; k < n; ++k) {
+            tensors[k] = {as_ptr<float>(params[k]), as_ptr<const void>(grads[k]), dtypes[k], as_ptr<float>(exp_avgs[k]),
+                          as_ptr<float>(exp_avg_sqs[k]), as_ptr<std::uint16_t>(params_bf16[k]), numels[k]};
+          }
+          const AdamWHyper hyper{lr, beta1, beta2, eps, weight_decay, step, grad_scale, maximize};
+          py::gil_scoped_release release;
+          launch_device_adamw(device, tensors.data(), n, hyper, stream, as_ptr<const float>(device_scale));
+        },
+        py::arg("device"), py::arg("stream"), py::arg("params"), py::arg("grads"), py::arg("grad_dtypes"),
+        py::arg("exp_avgs"), py::arg("exp_avg_sqs"), py::arg("params_bf16"), py::arg("numels"), py::kw_only(),
+        py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("step"),
+        py::arg("grad_scale") = 1.0, py::arg("maximize") = false, py::arg("device_scale") = 0,
+        "Queues AdamW over device tensors (fp32 weights or masters; bf16 weights written beside, where "
+        "given) on `stream`, with the host engine's arithmetic bit for bit; device_scale, where given, "
+        "is a float in device memory that replaces grad_scale.");
+  m.def("device_clip_scale",
+        [](int device, std::uintptr_t stream, std::uintptr_t squares, std::size_t count, double max_norm, double eps,
+           std::uintptr_t scale) {
+          py::gil_scoped_release release;
+          launch_clip_scale(device, as_ptr<const double>(squares), count, max_norm, eps, as_ptr<float>(scale), stream);
+        },
+        py::arg("device"), py::arg("stream"), py::arg("squares"), py::arg("count"), py::arg("max_norm"), py::arg("eps"),
+        py::arg("scale"),
+        "Queues *scale = min(1, max_norm / (sqrt(sum of squares, in order) + eps)) as a float in device memory.");
+  m.def("device_norm_scratch", [](const std::vector<std::size_t>& numels) {
+    return squared_norm_scratch(numels.data(), numels.size());
+  }, py::arg("numels"), "Doubles of device scratch device_squared_norms needs.");
+  m.def("device_squared_norms",
+        [](int device, std::uintptr_t stream, const Addresses& grads, const std::vector<std::string>& grad_dtypes,
+           const std::vector<std::size_t>& numels, std::uintptr_t scratch, std::uintptr_t out) {
+          check_sizes(grads.size(), {grad_dtypes.size(), numels.size()});
+          const std::vector<DType> dtypes = parse_dtypes(grad_dtypes);
+          std::vector<const void*> pointers;
+          for (std::uintptr_t g : grads) pointers.push_back(as_ptr<const void>(g));
+          py::gil_scoped_release release;
+          launch_squared_norms(device, pointers.data(), dtypes.data(), numels.data(), pointers.size(),
+                               as_ptr<double>(scratch), as_ptr<double>(out), stream);
+        },
+        py::arg("device"), py::arg("stream"), py::arg("grads"), py::arg("grad_dtypes"), py::arg("numels"),
+        py::arg("scratch"), py::arg("out"),
+        "Queues out[k] = the squared norm of gradient k (float64, device memory), computed as the host "
+        "engine computes it.");
 }
 
 }  // namespace trainstream::bindings

@@ -55,25 +55,6 @@ void mark_landed(CudaSlot& slot, cudaStream_t download_stream, std::function<voi
   }
 }
 
-// Makes `device` current on this thread for a scope, then restores the caller's device (torch's,
-// on autograd's threads): a kernel launches on the current device, which must own its stream.
-class DeviceScope {
- public:
-  explicit DeviceScope(int device) : device_(device) {
-    TS_CUDA_CHECK(cudaGetDevice(&previous_));
-    if (previous_ != device_) TS_CUDA_CHECK(cudaSetDevice(device_));
-  }
-  ~DeviceScope() {
-    if (previous_ != device_) cudaSetDevice(previous_);
-  }
-  DeviceScope(const DeviceScope&) = delete;
-  DeviceScope& operator=(const DeviceScope&) = delete;
-
- private:
-  int device_;
-  int previous_ = 0;
-};
-
 }  // namespace
 
 void* PinnedSlabs::allocate(std::size_t bytes) {

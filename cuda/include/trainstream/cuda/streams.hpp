@@ -1,4 +1,5 @@
-// Stream handles as they cross the native boundary, and the one ordering both copy engines use.
+// Stream handles as they cross the native boundary, the one ordering both copy engines use, and
+// the device a launch runs on.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -18,5 +19,24 @@ inline void order_after(cudaEvent_t event, cudaStream_t producer, cudaStream_t c
   TS_CUDA_CHECK(cudaEventRecord(event, producer));
   TS_CUDA_CHECK(cudaStreamWaitEvent(consumer, event, 0));
 }
+
+// Makes `device` current on this thread for a scope, then restores the caller's device (torch's,
+// on autograd's threads): a kernel launches on the current device, which must own its stream.
+class DeviceScope {
+ public:
+  explicit DeviceScope(int device) : device_(device) {
+    TS_CUDA_CHECK(cudaGetDevice(&previous_));
+    if (previous_ != device_) TS_CUDA_CHECK(cudaSetDevice(device_));
+  }
+  ~DeviceScope() {
+    if (previous_ != device_) cudaSetDevice(previous_);
+  }
+  DeviceScope(const DeviceScope&) = delete;
+  DeviceScope& operator=(const DeviceScope&) = delete;
+
+ private:
+  int device_;
+  int previous_ = 0;
+};
 
 }  // namespace trainstream
