@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build, test and benchmark on a CUDA machine in one go; logs and JSON land in $1 (default ./gpu-results).
 #   bash benchmarks/gpu_suite.sh [OUTDIR] [STAGES]
-# STAGES: comma list of build,tests,verify,adamw,step,timeline,paging,large,sanitize
+# STAGES: comma list of build,tests,verify,adamw,step,placement,timeline,paging,large,sanitize
 #         (default: build,tests,verify,adamw,step)
 set -uo pipefail
 out="${1:-gpu-results}"
@@ -38,9 +38,15 @@ if has step; then
     # with TrainStream's baselines: fp32 gradient transfer at acc 1, every forward gated above
     ours=$([ "$acc" -gt 1 ] && echo trainstream,trainstream+vramacc,trainstream+vramacc+everygate \
       || echo trainstream,trainstream+fp32grads)
-    modes=gpu-adamw,$ours,torchao,deepspeed  # peers if installed
+    modes=gpu-adamw,trainstream,${ours//trainstream/trainstream+offload},torchao,deepspeed  # peers if installed
     python3 "$repo/benchmarks/train_step.py" --acc "$acc" --steps "$steps" --modes "$modes" \
       --json "$out/step_acc$acc.json" 2>&1 | tail -10
+  done
+fi
+if has placement; then  # step time against a VRAM cap, TrainStream with no option but clipping, beside the peers
+  for acc in 1 8; do
+    python3 "$repo/benchmarks/budget_sweep.py" --accs "$acc" --caps none,24,20,16,12,8 \
+      --json "$out/sweep_acc$acc.json" --plot "$out/sweep_acc$acc.png" 2>&1 | grep -A40 "^NVIDIA"
   done
 fi
 if has timeline; then  # one accumulation window, forward by backward, against GPU AdamW

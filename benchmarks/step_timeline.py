@@ -68,7 +68,7 @@ def run(args) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=fused)
     settle = lambda: None
     if base == "trainstream":
-        model, opt = trainstream.wrap(model, opt, accumulation_steps=args.acc,
+        model, opt = trainstream.wrap(model, opt, accumulation_steps=args.acc, placement="offload",
                                       accumulate_in_vram=variant == "vramacc", threads=args.threads,
                                       **paging_options(variant, args))
         settle = opt.synchronize

@@ -100,14 +100,18 @@ def run_mode(mode: str, args) -> dict:
     sync = lambda: None
     saving = contextlib.nullcontext  # how forward keeps its activations
     base, *extras = mode.split("+")
-    # Baselines for TrainStream's own choices, added to any trainstream mode: '+fp32grads' sends
+    # 'trainstream' is wrap() with the options users pass (max_grad_norm, accumulation_steps, and
+    # --vram-budget if given): the planner places everything. '+offload' offloads every gradient
+    # and AdamW state with no saved-tensor hooks, as wrap(placement="offload", activations="off");
+    # the variants paged/auto/hostacc/vramacc imply it. Baselines for TrainStream's own choices,
+    # added to any trainstream mode: '+fp32grads' sends
     # every gradient as fp32, '+everygate' keeps the forward gates on and every one waiting,
     # '+pageonly' meets a VRAM budget by paging alone (no recomputed blocks), '+t12' runs the host
     # engine on 12 threads instead of every CPU, '+master' keeps fp32 masters on the host and
     # uploads them instead of update terms.
     # '+ckpt' or '+save_on_cpu' may come with one of TrainStream's variants: 'trainstream+ckpt+auto'.
     threads = next((int(e[1:]) for e in extras if re.fullmatch(r"t\d+", e)), 0)
-    knobs = {e for e in extras if e in ("fp32grads", "everygate", "pageonly", "master", f"t{threads}")}
+    knobs = {e for e in extras if e in ("fp32grads", "everygate", "pageonly", "master", "offload", f"t{threads}")}
     keeping = [e for e in extras if e in ("ckpt", "save_on_cpu")]
     variants = [e for e in extras if e not in knobs and e not in keeping]
     if len(variants) > 1 or len(keeping) > 1:
@@ -124,9 +128,12 @@ def run_mode(mode: str, args) -> dict:
     elif base == "trainstream":
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
         t0 = time.perf_counter()
+        if variant or "offload" in knobs:
+            options = dict(placement="offload", accumulate_in_vram=variant == "vramacc", **paging_options(variant, args))
+        else:
+            options = dict(vram_budget=args.vram_budget)
         model, opt = trainstream.wrap(model, opt, accumulation_steps=args.acc, max_grad_norm=args.clip,
-                                      accumulate_in_vram=variant == "vramacc", recompute="pageonly" not in knobs,
-                                      threads=threads, **paging_options(variant, args))
+                                      recompute="pageonly" not in knobs, threads=threads, **options)
         setup_s = time.perf_counter() - t0
         sync = opt.synchronize
         if variant == "hostacc":  # the comparison baseline: micro-batches added by host threads
@@ -137,7 +144,10 @@ def run_mode(mode: str, args) -> dict:
     elif base == "torchao":
         from torchao.optim import CPUOffloadOptimizer  # skipped when missing
 
-        opt = CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-4, weight_decay=0.01)
+        # its fastest documented form: torch's fused CPU AdamW, gradients offloaded as backward
+        # produces them (which torchao does not allow with gradient accumulation)
+        opt = CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, offload_gradients=args.acc == 1,
+                                  fused=True, lr=1e-4, weight_decay=0.01)
     elif base == "deepspeed":
         model, opt = deepspeed_engine(model, args)
     elif base == "no-optimizer":
@@ -188,8 +198,7 @@ def run_mode(mode: str, args) -> dict:
     if base == "trainstream":
         result["setup_s"] = setup_s
         result["report"] = opt.report()
-        if opt.activation_pager is not None:
-            print(opt.activation_pager.describe(), flush=True)
+        print(opt.describe(), flush=True)
         opt.remove_hooks()
     if base == "deepspeed":
         model.destroy()  # hooks, pinned buffers and the CPU AdamW state go with the engine
@@ -237,7 +246,8 @@ def main(argv=None) -> int:
     ap.add_argument("--autocast", action=argparse.BooleanOptionalAction, default=True,
                     help="bf16 autocast (default on; with fp32 weights it caches a bf16 copy of every weight)")
     ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--warmup", type=int, default=4,
+                    help="steps before timing (TrainStream profiles two, then places everything)")
     ap.add_argument("--vram-cap-gb", type=float, default=None,
                     help="cap this process's VRAM (torch.cuda.set_per_process_memory_fraction)")
     add_paging_arguments(ap)
@@ -248,7 +258,9 @@ def main(argv=None) -> int:
                          "activation paging with --activations/--vram-budget) or '+auto' (our "
                          "paging, automatic) suffix, or one of each, changes how activations are kept; "
                          "trainstream+hostacc adds micro-batch gradients on host threads, "
-                         "trainstream+vramacc sums them in VRAM (accumulate_in_vram); a further "
+                         "trainstream+vramacc sums them in VRAM (accumulate_in_vram); 'trainstream' alone is "
+                         "wrap() with --clip and --vram-budget only (the planner places everything), "
+                         "'+offload' offloads every parameter with no saved-tensor hooks; a further "
                          "'+fp32grads' (no bf16 gradient transfer), '+everygate' (forward gates "
                          "never skipped or taken off), '+pageonly' (a VRAM budget met without recomputing "
                          "blocks), '+master' (fp32 masters kept on the host and uploaded, not update "

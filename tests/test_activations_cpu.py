@@ -70,8 +70,9 @@ def test_parse_bytes_refuses(bad):
 @pytest.mark.parametrize("kwargs,error", [
     (dict(activations="sometimes"), ValueError),
     (dict(activations=1.5), ValueError),
-    (dict(activations="off", vram_budget="10GB"), ValueError),
-    (dict(vram_budget="10GB"), trainstream.UnsupportedSetupError),  # a CPU model
+    # without the placement planner a budget is the pager's, and the pager's alone
+    (dict(activations="off", vram_budget="10GB", placement="offload"), ValueError),
+    (dict(vram_budget="10GB", placement="offload"), trainstream.UnsupportedSetupError),  # a CPU model
     (dict(recompute="yes"), TypeError),
 ])
 def test_wrap_refuses_bad_activation_options(kwargs, error):

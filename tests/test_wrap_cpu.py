@@ -106,8 +106,9 @@ def test_bf16_weights_keep_fp32_master():
         assert torch.equal(p.detach(), master.to(torch.bfloat16))
 
 
-@pytest.mark.parametrize("acc,in_vram", [(1, False), (4, True)], ids=["plain", "accumulate4-in-vram"])
-def test_bf16_exact_gradients_cross_as_bf16_without_changing_a_bit(acc, in_vram):
+@pytest.mark.parametrize("acc,in_vram,clip", [(1, False, None), (1, False, 1.0), (4, True, None)],
+                         ids=["plain", "clip", "accumulate4-in-vram"])
+def test_bf16_exact_gradients_cross_as_bf16_without_changing_a_bit(acc, in_vram, clip):
     """Under bf16 autocast a Linear's weight gradient is bf16 widened to fp32: it is sent as bf16
     (half the bytes). The tied embedding's gradient (a sum), the norms' and sums of micro-batches
     in VRAM are not, and cross whole. Either way training is bit-identical to the packing
@@ -116,10 +117,11 @@ def test_bf16_exact_gradients_cross_as_bf16_without_changing_a_bit(acc, in_vram)
     runs = {}
     for pack in (True, False):
         model, opt = make(freeze_first_block=False)
-        model, opt = trainstream.wrap(model, opt, accumulation_steps=acc, accumulate_in_vram=in_vram)
+        model, opt = trainstream.wrap(model, opt, accumulation_steps=acc, accumulate_in_vram=in_vram,
+                                      placement="offload", max_grad_norm=clip)
         opt.pack_gradients = pack
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            train(model, opt, data, wrapped=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # with clipping the update reads them at step()
+            train(model, opt, data, clip=clip, wrapped=True)
         runs[pack] = model, opt
     (packed, opt), (plain, plain_opt) = runs[True], runs[False]
     for p, q in zip(packed.parameters(), plain.parameters()):
@@ -156,7 +158,7 @@ def test_forward_gates_come_off_once_settled_and_return_with_the_next_update():
     that call until another update is queued. Once no update is queued and every upload has
     finished, the hooks come off altogether, and queuing the next update puts them back."""
     model, opt = make(freeze_first_block=False)
-    model, opt = trainstream.wrap(model, opt, accumulation_steps=4, accumulate_in_vram=True)
+    model, opt = trainstream.wrap(model, opt, accumulation_steps=4, accumulate_in_vram=True, placement="offload")
     gated = []
     settled = [False]  # whether the pipeline may report itself settled
 
@@ -341,7 +343,7 @@ def test_early_step_with_accumulation_matches_torch(in_vram):
 
 def test_accumulate_in_vram_keeps_the_sum_on_the_device_until_the_last_backward():
     model, opt = make(freeze_first_block=False)
-    model, opt = trainstream.wrap(model, opt, accumulation_steps=3, accumulate_in_vram=True)
+    model, opt = trainstream.wrap(model, opt, accumulation_steps=3, accumulate_in_vram=True, placement="offload")
     first, second, third = batches(1, 3)[0]
     model.loss(first).backward()
     model.loss(second).backward()
@@ -350,7 +352,7 @@ def test_accumulate_in_vram_keeps_the_sum_on_the_device_until_the_last_backward(
     assert all(p.grad is None for p in model.parameters())  # sent to the host from the hooks
     opt.step()
     report = opt.report()
-    assert report["accumulate_in"] == "vram"
+    assert {p["window_sum"] for p in report["placement"]["params"]} == {"vram"}
     assert report["host_bytes_per_param"] < 20  # no host accumulator: master, moments, landing
     assert all(g.abs().sum() > 0 for g in kept.values())
 

@@ -47,7 +47,7 @@ def setup(dtype, clip, acc, in_vram=False):
     opt = torch.optim.AdamW(param_groups(model), lr=3e-3, betas=(0.9, 0.95))
     ref_opt = torch.optim.AdamW(param_groups(ref), lr=3e-3, betas=(0.9, 0.95), foreach=False)
     model, opt = trainstream.wrap(model, opt, max_grad_norm=clip, accumulation_steps=acc,
-                                  accumulate_in_vram=in_vram)
+                                  accumulate_in_vram=in_vram, placement="offload")
     return model, opt, ref, ref_opt
 
 
@@ -143,7 +143,7 @@ def test_no_gradient_or_optimizer_state_in_vram():
     torch.manual_seed(0)
     model = TinyLM(vocab=512, dim=256, layers=4, seq=64).cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model, opt = trainstream.wrap(model, opt)
+    model, opt = trainstream.wrap(model, opt, placement="offload")
     weights = torch.cuda.memory_allocated() - base  # and the staging buffer for update terms
     staging = opt.report()["vram_staging_bytes"]
     assert staging == 4 * max(p.numel() for p in model.parameters())  # the largest one's term
@@ -212,7 +212,8 @@ def rss_bytes() -> int:
 def test_soak_200_steps_flat_memory():
     torch.manual_seed(0)
     model = TinyLM(vocab=512, dim=256, layers=4, seq=64).cuda()
-    model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-4), max_grad_norm=1.0)
+    model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-4), max_grad_norm=1.0,
+                                  placement="offload")
     tokens = torch.randint(0, 512, (4, 65), device="cuda")
     vram, rss, peaks = [], [], []
     for step in range(200):

@@ -5,9 +5,10 @@
 
 __version__ = "0.1.0"
 
-from trainstream.errors import UnsupportedSetupError  # noqa: E402
+from trainstream.errors import UnsupportedSetupError, VramBudgetError  # noqa: E402
 from trainstream.host_adamw import HostAdamW, measure_triad  # noqa: E402
 from trainstream.optimizer import OffloadedAdamW  # noqa: E402
 from trainstream.wrap import wrap  # noqa: E402
 
-__all__ = ["HostAdamW", "OffloadedAdamW", "UnsupportedSetupError", "__version__", "measure_triad", "wrap"]
+__all__ = ["HostAdamW", "OffloadedAdamW", "UnsupportedSetupError", "VramBudgetError", "__version__", "measure_triad",
+           "wrap"]

@@ -31,7 +31,6 @@ as empty), plus the copy bandwidth:
 from __future__ import annotations
 
 import re
-import time
 import warnings
 import weakref
 from dataclasses import dataclass, field
@@ -40,6 +39,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from trainstream._native import _C
+from trainstream.timing import mark, seconds
 
 _GB = 1e9
 MIN_BYTES = 1 << 20  # smaller saved tensors stay on the device: not worth a copy
@@ -273,6 +273,9 @@ class _StepFigures:
     paged_bytes: int = 0
     recast_bytes: int = 0
     shared_cast_bytes: int = 0  # repeated casts of one activation, saved as the first
+    packs: int = 0  # tensors the hooks saw
+    block_cast_bytes: list = field(default_factory=list)  # recast and shared casts, per block
+    outside_cast_bytes: int = 0  # the same outside the blocks
     kept_bytes: int = 0  # activations that paging would move, left on the device
     on_demand: int = 0  # unpacks whose copy had not been prefetched
     held_bytes: int = 0  # paged, but still referenced outside autograd when forward ended
@@ -285,7 +288,7 @@ class ActivationPager:
     def __init__(self, model: torch.nn.Module, *, device: torch.device, share: float | None,
                  vram_budget: int | None, blocks: list[torch.nn.Module] | None = None,
                  blocks_name: str = "", prefetch_depth: int = 1, min_bytes: int | None = None,
-                 keep_last: int = 1, recompute: bool = True) -> None:
+                 keep_last: int = 1, recompute: bool = True, deferred: bool = False) -> None:
         if blocks is None:
             blocks_name, blocks = find_blocks(model)
         self.blocks = list(blocks)
@@ -300,6 +303,10 @@ class ActivationPager:
         if prefetch_depth < 1:
             raise ValueError(f"prefetch_depth must be >= 1, got {prefetch_depth}")
         self.device = device
+        # the placement planner decides after the profile (apply()); until then, paged as profiled
+        self.deferred = deferred and bool(self.blocks) and share is None
+        self.time_next_forward = False  # deferred: the planner's profiled forward is timed here too
+        self.profiled_marks: list = []
         self.share = share
         self.vram_budget = vram_budget
         self.recompute = recompute
@@ -380,8 +387,10 @@ class ActivationPager:
         self._input_storages = {t.untyped_storage().data_ptr() for t in _tensors((args, kwargs))}
         if self._profiling and self._timed:
             self._finish_profile()
-        # the first forward runs cold (allocator, kernels' first launches): time the second
-        self._timing = self._profiling and self._forwards > 0
+        # the first forward runs cold (allocator, kernels' first launches): time the second, or
+        # (deferred) the one the placement profiler records
+        self._timing = self._profiling and (self.time_next_forward if self.deferred else self._forwards > 0)
+        self.time_next_forward = False
         if self._timing and self.settle is not None:
             self.settle()
         self._forwards += 1
@@ -391,7 +400,7 @@ class ActivationPager:
         self._stored_by_block = [[] for _ in self.blocks]
         self._prefetched = set()
         self._casts = {}
-        self._figures = _StepFigures(block_bytes=[0] * len(self.blocks))
+        self._figures = _StepFigures(block_bytes=[0] * len(self.blocks), block_cast_bytes=[0] * len(self.blocks))
         if self._cuda and (self._timing or self._fresh_plan):  # the profile's peak, then the plan's
             torch.cuda.reset_peak_memory_stats(self.device)
         self._fresh_plan = False
@@ -445,7 +454,7 @@ class ActivationPager:
                 self._native.wait_paged_out(last.paged)
             if self._timing:  # after the wait: time the block's own work
                 self._input_bytes[index] += self._new_input_bytes((args, kwargs))
-                self._block_start = self._mark()
+                self._block_start = mark(self.device)
         return hook
 
     def _is_static(self, key: int) -> bool:
@@ -494,6 +503,25 @@ class ActivationPager:
                 f"recomputed and keeps its activations on the device. For training a Hugging Face model, "
                 f"call it with use_cache=False or set model.config.use_cache = False.", stacklevel=3)
 
+    @property
+    def awaiting_plan(self) -> bool:
+        """Profiled, and waiting for the placement planner (deferred mode)."""
+        return self.deferred and self.profile is not None and self.plan is None
+
+    def finish_profile(self) -> bool:
+        """Ends a finished profiling step now rather than at the next forward; False if none has run."""
+        if self._profiling and self._timed:
+            self._finish_profile()
+        return self.profile is not None
+
+    def apply(self, paged: int, recomputed: tuple[int, ...], reason: str) -> None:
+        """Pages blocks 0 .. paged-1 and recomputes `recomputed` from now on (the planner's choice)."""
+        n = len(self.blocks)
+        self._apply_plan(Plan(paged_blocks=paged, pageable_blocks=n, reason=reason, recomputed=tuple(recomputed),
+                              recompute_seconds=sum(self.profile.block_seconds[i] for i in recomputed)
+                              if self.profile else 0.0))
+        self._fresh_plan = True
+
     def _apply_plan(self, plan: Plan) -> None:
         self.plan = plan
         self._paged_upto = plan.paged_blocks
@@ -515,24 +543,20 @@ class ActivationPager:
         if self._hooks_ctx is None or _in_backward():
             return
         if self._timing and self._current is not None:
-            self._times.append((self._current, self._block_start, self._mark()))
+            self._times.append((self._current, self._block_start, mark(self.device)))
         self._current = None
         if torch.is_autocast_enabled(self.device.type):
             torch.clear_autocast_cache()  # its casts of this block's weights are recast in backward
 
-    def _mark(self):
-        """A point in time: a CUDA event on the compute stream, or the host clock on the CPU."""
-        if not self._cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record(torch.cuda.current_stream(self.device))
-        return event
-
-    def _seconds(self, start, end) -> float:
-        return start.elapsed_time(end) / 1e3 if self._cuda else end - start
-
     # ---------------------------------------------------------------- pack / unpack
+    def _count_cast(self, nbytes: int) -> None:
+        if self._current is None:
+            self._figures.outside_cast_bytes += nbytes
+        else:
+            self._figures.block_cast_bytes[self._current] += nbytes
+
     def _pack(self, t: torch.Tensor):
+        self._figures.packs += 1
         if t.device != self.device or t.is_leaf and t.requires_grad:
             return t
         base = t._base if t._is_view() else t
@@ -543,6 +567,7 @@ class ActivationPager:
             param = getattr(source, "variable", None)
             if param is not None and id(param) in self._param_ids and base.numel() == param.numel():
                 self._figures.recast_bytes += base.numel() * base.element_size()
+                self._count_cast(base.numel() * base.element_size())
                 return _Recast(param, t)
             if source is not None:
                 # Autocast casts an activation again for every matmul that reads it (a
@@ -557,6 +582,7 @@ class ActivationPager:
             earlier = self._casts.get(cast)
             if earlier is not None:
                 self._figures.shared_cast_bytes += t.numel() * t.element_size()
+                self._count_cast(t.numel() * t.element_size())
                 return self._same_values(earlier, t)
         packed = self._pack_activation(t, block)
         if cast is not None:
@@ -661,16 +687,18 @@ class ActivationPager:
             self._times[-1][2].synchronize()
         times = [0.0] * len(self.blocks)  # a block that did not run costs nothing (and saved nothing)
         for block, start, end in self._times:
-            times[block] += self._seconds(start, end)
+            times[block] += seconds(start, end)
         d2h, h2d = measure_copy_bandwidth(self.device)
         peak = self.observed_peak_bytes()
         if peak is not None and self._backward_peak:
             peak = max(peak, self._backward_peak)
         self.profile = Profile(list(self.last.block_bytes), times, d2h, h2d, peak, list(self._input_bytes))
-        self._apply_plan(plan_paging(self.profile, share=self.share, vram_budget=self.vram_budget,
-                                     keep_last=self.keep_last, recompute=self.recompute))
+        if not self.deferred:
+            self._apply_plan(plan_paging(self.profile, share=self.share, vram_budget=self.vram_budget,
+                                         keep_last=self.keep_last, recompute=self.recompute))
         self._profiling = False
         self._fresh_plan = True
+        self.profiled_marks = list(self._times)  # (block, start, end) marks, for the placement profile
         self._times = []
         self._timed = False
 
@@ -763,13 +791,13 @@ def measure_copy_bandwidth(device: torch.device, nbytes: int = 64 << 20, repeats
     rates = []
     with torch.cuda.device(device):
         for dst, src in ((host, dev), (dev, host)):
-            seconds = float("inf")
+            best = float("inf")
             for _ in range(repeats):
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
                 dst.copy_(src, non_blocking=True)
                 end.record()
                 end.synchronize()
-                seconds = min(seconds, start.elapsed_time(end) / 1e3)
-            rates.append(nbytes / seconds)
+                best = min(best, start.elapsed_time(end) / 1e3)
+            rates.append(nbytes / best)
     return rates[0], rates[1]

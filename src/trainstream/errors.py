@@ -11,6 +11,10 @@ class UnsupportedSetupError(ValueError):
     """The model, optimizer or training loop uses something TrainStream does not support."""
 
 
+class VramBudgetError(RuntimeError):
+    """The training step cannot fit the VRAM budget in any placement; the message has the figures."""
+
+
 def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
     """Accept torch.optim.AdamW, and Adam where its semantics equal AdamW's; refuse the rest."""
     is_adamw = isinstance(optimizer, torch.optim.AdamW)
@@ -36,6 +40,65 @@ def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
                 f"gradient, which TrainStream does not implement. Use torch.optim.AdamW "
                 f"(decoupled decay) or weight_decay=0."
             )
+
+
+def check_not_distributed(model: torch.nn.Module, params: list[torch.Tensor]) -> None:
+    """Refuse the torch.distributed engines TrainStream does not compose with yet: each would
+    train silently wrong (our hooks see gradients before DDP's all-reduce) or crash (FSDP's
+    sharded parameters)."""
+    engine = None
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        engine = "DistributedDataParallel"
+    elif type(model).__module__.startswith("deepspeed"):
+        engine = f"a DeepSpeed engine ({type(model).__name__})"
+    else:
+        for module in model.modules():
+            kind = _fsdp_kind(module)
+            if kind:
+                engine = kind
+                break
+    if engine is None and any(_is_dtensor(p) for p in params):
+        engine = "DTensor parameters (tensor parallelism or FSDP2's fully_shard)"
+    if engine is None:
+        check_single_process()
+        return
+    raise UnsupportedSetupError(
+        f"trainstream.wrap() does not support {engine} yet: the gradients it would offload are not "
+        f"the reduced ones, or the parameters are shards, so training would be wrong. Wrap the model "
+        f"on one GPU without torch.distributed, or train this model with its engine's own optimizer.")
+
+
+def check_single_process() -> None:
+    """Refuse training in a torch.distributed group of several processes: a DDP wrapper added
+    after wrap() (as the Hugging Face Trainer adds one on several GPUs) all-reduces gradients our
+    hooks have already sent, and each rank would update from its own."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        world = torch.distributed.get_world_size()
+        if world > 1:
+            raise UnsupportedSetupError(
+                f"TrainStream trains on one GPU in one process, but this process is one of {world} in a "
+                f"torch.distributed group: its hooks would take each rank's gradients before they are "
+                f"reduced, and the ranks would drift apart. Several GPUs are not supported yet.")
+
+
+def _fsdp_kind(module: torch.nn.Module) -> str | None:
+    try:
+        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    except ImportError:  # a torch without distributed support
+        return None
+    if isinstance(module, FullyShardedDataParallel):
+        return "FullyShardedDataParallel (FSDP1)"
+    if isinstance(module, FSDPModule):
+        return "FSDP2 (fully_shard)"
+    return None
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        return False
+    return isinstance(t, DTensor) or isinstance(getattr(t, "data", None), DTensor)
 
 
 def check_weight_dtype(name: str, param: torch.Tensor) -> None:

@@ -1,26 +1,53 @@
-"""The optimizer that wrap() returns: torch.optim.AdamW's interface over host-side state.
+"""The optimizer that wrap() returns: torch.optim.AdamW's interface over a placement of its state.
 
-Gradients leave the device from per-parameter post-accumulate-grad hooks; the native pipeline
-(trainstream._C.OffloadPipeline) folds, clips and applies them on host threads and uploads the
-new weights; module forward pre-hooks make the compute stream wait for exactly the uploads each
-module reads. This class keeps the Python side of that bargain: when to update, with which
-hyperparameters, and torch's optimizer API on top.
+Each trainable parameter is either *offloaded* or *resident*. An offloaded parameter's gradient
+leaves the device from a post-accumulate-grad hook; the native pipeline (trainstream._C.
+OffloadPipeline) folds, clips and applies it on host threads and uploads the new weights; module
+forward pre-hooks make the compute stream wait for exactly the uploads each module reads. A
+resident parameter keeps gradient and AdamW state beside its weights and is updated at step() by
+trainstream.resident, with the host engine's arithmetic bit for bit. Which is which comes from
+the placement planner (trainstream.placement) after profiling the first steps with everything
+offloaded, or from wrap()'s `placement`. This class keeps the Python side of that bargain: when
+to update, with which hyperparameters, and torch's optimizer API on top.
 """
 
 from __future__ import annotations
 
+import logging
 import math
-from dataclasses import dataclass, field
+import weakref
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
-from trainstream.errors import GRAD_SCALER_MESSAGE, UnsupportedSetupError, check_autocast
+from trainstream import placement as planner
+from trainstream.errors import (GRAD_SCALER_MESSAGE, UnsupportedSetupError, VramBudgetError, check_autocast,
+                                check_single_process)
 from trainstream.host_adamw import DTYPE_NAMES
+from trainstream.profiler import StepProfiler, measure_bandwidths
+from trainstream.resident import ResidentAdamW
+
+log = logging.getLogger("trainstream")
 
 _CLIP_EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_
 # fp32 update terms cross to VRAM through a staging buffer of at most this many floats (64 MiB),
 # a piece at a time for larger parameters.
 _STAGING_FLOATS = 16 << 20
+_PACK_S = 3e-6  # what one call of the saved-tensor hooks costs, for the planner's estimate
+# id(parameter) -> (the parameter, its optimizer), both weakly: tensors compare by value, not by
+# identity, so they cannot be the keys of a WeakKeyDictionary
+_OWNERS: dict[int, tuple[weakref.ref, weakref.ref]] = {}
+
+
+def wrapped_by(param: torch.nn.Parameter):
+    """The OffloadedAdamW whose hooks are on `param`, or None."""
+    param_ref, owner = _OWNERS.get(id(param), (None, None))
+    return owner() if param_ref is not None and param_ref() is param else None
+
+
+def _forget_dead_owners() -> None:
+    for key in [k for k, (p, o) in _OWNERS.items() if p() is None or o() is None]:
+        del _OWNERS[key]
 
 
 @dataclass(eq=False)
@@ -28,17 +55,21 @@ class _Slot:
     """What the optimizer tracks for one trainable parameter."""
 
     param: torch.nn.Parameter
-    host: object  # trainstream._C.HostParam
+    host: object  # trainstream._C.HostParam, or None for a parameter resident from the start
     group: dict
     version: int  # param._version when host master and device weights last agreed
+    index: int  # position in forward (registration) order: the order norms are added in
     step: int = 0
     landed: bool = False  # a gradient arrived in the current accumulation window
     updated: bool = False  # its update for this window has been queued
-    state: dict = field(default_factory=dict)
+    state: dict = field(default_factory=dict)  # torch AdamW's state: host views or device tensors
+    resident: bool = False  # gradient and AdamW state beside the weights, updated at step()
+    sum_in_vram: bool = False  # offloaded; autograd sums the window's micro-batches in VRAM
+    device_state: dict | None = None  # resident: exp_avg, exp_avg_sq (+ master_param, accumulator)
 
 
 class OffloadedAdamW(torch.optim.Optimizer):
-    """AdamW whose state lives in host memory and whose update runs on host threads.
+    """AdamW whose state lives where the placement puts it, updated on host threads or the GPU.
 
     Shares ``param_groups`` with the optimizer it was built from, so LR schedulers and code that
     edits ``lr`` keep working. Use it like the original: ``loss.backward(); opt.step();
@@ -51,7 +82,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
     def __init__(self, source: torch.optim.Optimizer, model: torch.nn.Module, pipeline, *,
                  device: torch.device, max_grad_norm: float | None, accumulation_steps: int,
                  track_grad_norm: bool, streams: tuple | None, activation_pager=None,
-                 accumulate_in_vram: bool = False) -> None:
+                 accumulate_in_vram: bool | None = None, placement: str | float = "offload",
+                 vram_budget: int | None = None, threads: int = 0, isa: str | None = None) -> None:
         super().__init__(source.param_groups, source.defaults)
         self.param_groups = source.param_groups  # the very same list: edits show on both sides
         self._pipeline = pipeline
@@ -60,81 +92,148 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self.activation_pager = activation_pager  # trainstream.activations.ActivationPager or None
         self.max_grad_norm = max_grad_norm
         self.accumulation_steps = accumulation_steps
-        # Micro-batch gradients are summed by autograd in VRAM and sent once per window, rather
-        # than sent every micro-batch and summed in a host accumulator.
-        self.accumulate_in_vram = accumulate_in_vram and accumulation_steps > 1
-        self._host_sum = accumulation_steps > 1 and not self.accumulate_in_vram
+        self._vram_sums = accumulate_in_vram  # None: the planner's choice per parameter
         self._track_norm = track_grad_norm or max_grad_norm is not None
+        self._resident = ResidentAdamW(device, threads, isa)
         self._micro = 0  # backward passes finished in this accumulation window
+        self._forwards = 0  # forwards (with autograd) in this window
+        self._windows = 0  # optimizer steps taken
         self._backward_tasks: set[int] = set()  # autograd graph tasks with our end-callback queued
         self._arrival: list[_Slot] = []  # slots in gradient arrival order, this window
         self._last_grad_norm: float | None = None
         self._norm_slots: list[_Slot] = []  # the window whose norm last_grad_norm reports
         self._norm_pending = False
+        self._device_norms: dict[_Slot, float] | tuple = {}  # resident slots' squared norms (or pending)
         self._slots: dict[torch.nn.Parameter, _Slot] = {}
+        self._order: list[_Slot] = []  # forward (registration) order
         self._hooks: list = []
-        self._gates: list = []  # (module, forward pre-hook) for each module that owns parameters
+        self._gates: list = []  # (module, forward pre-hook) for each module that owns offloaded parameters
         self._gate_handles: list | None = None  # while the gates are installed
-        self._hosts: list = []  # every parameter's HostParam
+        self._hosts: list = []  # every offloaded parameter's HostParam
         self._uploads_queued = 0  # updates (each ends in an upload) queued so far
         self._gate_always = False  # a benchmark's baseline: gates stay installed and every one waits
         self._pack = True
+        self._staging = None
+        self._upload_terms = True
+        self._model = model
+        self._placement = placement
+        self.vram_budget = vram_budget
+        self.plan: planner.Plan | None = None  # the placement in force, once planned
+        self._profile: planner.Profile | None = None
+        self._profiler: StepProfiler | None = None
+        self._stats_at_start = None
+        self._bandwidths = None  # (d2h, h2d, VRAM) bytes/s, measured when the profiled window starts
+        self._names = {p: n for n, p in model.named_parameters()}
+        self._checked = False  # the first planned window's peak has been compared with the budget
+        self._checked_processes = False
         self._register(model)
         self._sync_packing()
 
     # ----------------------------------------------------------------------------- set-up
     def _register(self, model: torch.nn.Module) -> None:
-        accumulate = self._host_sum
+        acc = self.accumulation_steps
+        _forget_dead_owners()
+        trainable, seen = [], set()
         for group in self.param_groups:
             for p in group["params"]:
-                if not p.requires_grad or p in self._slots:
-                    continue
+                if p.requires_grad and id(p) not in seen:
+                    seen.add(id(p))
+                    trainable.append((p, group))
+        if isinstance(self._placement, float):
+            resident_count = round(self._placement * len(trainable))
+        else:
+            resident_count = len(trainable) if self._placement == "gpu" else 0
+        # host accumulators: for every parameter that may sum its micro-batches on the host
+        host_sums = acc > 1 and self._vram_sums is not True
+        for i, (p, group) in enumerate(trainable):
+            resident = i < resident_count
+            host = None
+            if not resident:
                 # registration order stands in for forward order (embeddings, layers, head)
-                host = self._pipeline.add_param(p.numel(), DTYPE_NAMES[p.dtype], accumulate,
-                                                len(self._slots))
+                host = self._pipeline.add_param(p.numel(), DTYPE_NAMES[p.dtype], host_sums, i)
                 self._pipeline.load_weights(host, p.data_ptr(), self._current_stream())
-                slot = _Slot(p, host, group, p._version)
-                slot.state = {
-                    "step": torch.tensor(0.0),
-                    "exp_avg": self._host_tensor(host, "exp_avg", p),
-                    "exp_avg_sq": self._host_tensor(host, "exp_avg_sq", p),
-                }
-                if p.dtype == torch.bfloat16:  # the fp32 master is what bf16 training resumes from
-                    slot.state["master_param"] = self._host_tensor(host, "master", p)
-                self.state[p] = slot.state
-                self._slots[p] = slot
-                self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
-        for module in model.modules():
-            own = [self._slots[p].host for p in module.parameters(recurse=False) if p in self._slots]
-            if own:
-                self._gates.append((module, self._gate_hook(own)))
-        self._hosts = [s.host for s in self._slots.values()]
-        self._staging = None
-        self._set_upload_terms(True)
+            slot = _Slot(p, host, group, p._version, i)
+            slot.state = {"step": torch.tensor(0.0)}
+            if resident:
+                slot.resident = True
+                slot.device_state = ResidentAdamW.new_state(p, acc)
+                slot.state.update({k: v for k, v in slot.device_state.items() if k != "accumulator"})
+            else:
+                slot.state.update(self._host_state(slot))
+                slot.sum_in_vram = self._vram_sums is True and acc > 1 and p.dtype == torch.float32
+            self.state[p] = slot.state
+            self._slots[p] = slot
+            self._order.append(slot)
+            self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+            _OWNERS[id(p)] = (weakref.ref(p), weakref.ref(self))
+        self._build_gates()
         self._install_gates()
+        self._ensure_staging()
+        self._pipeline.upload_terms = True
+        if self._placement == "auto":
+            self._profiler = StepProfiler(model, [s.param for s in self._order], self._device)
+            self._stats_at_start = self._pipeline.stats()
         # A lambda, not a bound method: copy.deepcopy(model) copies the hooks, and would copy the
         # optimizer behind a bound method with them.
-        self._hooks.append(model.register_forward_pre_hook(lambda *_: self._before_forward(), prepend=True))
+        self._hooks.append(model.register_forward_pre_hook(
+            lambda module, args, kwargs: self._before_forward(args, kwargs), prepend=True, with_kwargs=True))
         # Reads and writes of the weights outside forward (saving, loading) see settled values.
         self._hooks.append(model.register_state_dict_pre_hook(lambda *_: self.synchronize()))
         self._hooks.append(model.register_load_state_dict_pre_hook(lambda *_: self.synchronize()))
 
-    def _set_upload_terms(self, on: bool) -> None:
-        fp32 = [s for s in self._slots.values() if s.param.dtype == torch.float32]
-        if on and fp32 and self._device.type == "cuda" and self._staging is None:
-            floats = min(max(s.param.numel() for s in fp32), _STAGING_FLOATS)
+    def _host_state(self, slot: _Slot) -> dict:
+        """torch AdamW's state entries as views of the parameter's host buffers."""
+        state = {"exp_avg": self._host_tensor(slot.host, "exp_avg", slot.param),
+                 "exp_avg_sq": self._host_tensor(slot.host, "exp_avg_sq", slot.param)}
+        if slot.param.dtype == torch.bfloat16:  # the fp32 master is what bf16 training resumes from
+            state["master_param"] = self._host_tensor(slot.host, "master", slot.param)
+        return state
+
+    def _build_gates(self) -> None:
+        """Forward pre-hooks for the modules that own offloaded parameters (resident ones are
+        updated on the compute stream itself, before any later kernel reads them)."""
+        installed = self._gate_handles is not None
+        self._remove_gates()
+        self._gates = []
+        for module in self._model.modules():
+            own = [self._slots[p].host for p in module.parameters(recurse=False)
+                   if p in self._slots and not self._slots[p].resident]
+            if own:
+                self._gates.append((module, self._gate_hook(own)))
+        self._hosts = [s.host for s in self._order if not s.resident]
+        if installed:
+            self._install_gates()
+
+    def _ensure_staging(self) -> None:
+        """The VRAM buffer that offloaded fp32 parameters' update terms cross through, sized for
+        the largest of them (none when no fp32 parameter is offloaded)."""
+        fp32 = [s.param.numel() for s in self._order if not s.resident and s.param.dtype == torch.float32]
+        floats = min(max(fp32), _STAGING_FLOATS) if fp32 and self._device.type == "cuda" else 0
+        if floats == (self._staging.numel() if self._staging is not None else 0):
+            return
+        self._pipeline.synchronize()
+        self._staging = None  # the allocator waits for the upload stream before reusing it
+        self._pipeline.set_upload_staging(0, 0)
+        if floats:
             self._staging = torch.empty(floats, dtype=torch.float32, device=self._device)
             self._staging.record_stream(self._streams[1])  # freed only after the uploads using it
             self._pipeline.set_upload_staging(self._staging.data_ptr(), self._staging.nbytes)
+
+    def _set_upload_terms(self, on: bool) -> None:
         if not on and self._pipeline.upload_terms:
             # The host kept no fp32 copy of these weights: take it from the device before the
             # next update reads it.
             self.synchronize()
-            for s in fp32:
-                self._pipeline.load_weights(s.host, s.param.data_ptr(), self._current_stream())
-            self._pipeline.set_upload_staging(0, 0)
-            self._staging = None  # the allocator waits for the upload stream before reusing it
+            for s in self._order:
+                if not s.resident and s.param.dtype == torch.float32:
+                    self._pipeline.load_weights(s.host, s.param.data_ptr(), self._current_stream())
+        self._upload_terms = on
         self._pipeline.upload_terms = on
+        if on:
+            self._ensure_staging()
+        else:
+            self._pipeline.set_upload_staging(0, 0)
+            self._staging = None
 
     @staticmethod
     def _host_tensor(host, name: str, like: torch.Tensor) -> torch.Tensor:
@@ -154,8 +253,12 @@ class OffloadedAdamW(torch.optim.Optimizer):
             h.remove()
         self._gate_handles = None
 
-    def _before_forward(self) -> None:
+    def _before_forward(self, args: tuple, kwargs: dict) -> None:
         check_autocast(self._device.type)
+        if torch.is_grad_enabled():
+            if self._forwards == 0 and self._profiler is not None:
+                self._placement_window_starts(args, kwargs)
+            self._forwards += 1
         # Once no update is queued and every upload has finished, no module needs to wait for its
         # weights: the gates come off until the next update is queued (_mark_updated). Within an
         # accumulation window, forwards after the first then run without a hook on every module.
@@ -186,6 +289,9 @@ class OffloadedAdamW(torch.optim.Optimizer):
         slot = self._slots[param]
         if grad.is_sparse:
             raise UnsupportedSetupError("sparse gradients are not supported by TrainStream")
+        if not self._checked_processes:  # a launcher may have wrapped the model in DDP after wrap()
+            check_single_process()
+            self._checked_processes = True
         task = torch._C._current_graph_task_id()
         if task not in self._backward_tasks:
             self._backward_tasks.add(task)
@@ -195,21 +301,36 @@ class OffloadedAdamW(torch.optim.Optimizer):
                 f"accumulation_steps={self.accumulation_steps} backward passes have run since the "
                 f"last optimizer.step(); call optimizer.step() before the next backward"
             )
-        if param._version != slot.version:  # the weights were changed behind our back
-            self._pipeline.load_weights(slot.host, param.data_ptr(), self._current_stream())
-            slot.version = param._version
+        if self._profiler is not None and self._profiler.recording:
+            self._profiler.gradient(slot.index)
         last = self._micro == self.accumulation_steps - 1
         first = not slot.landed
         if first:
             slot.landed = True
             self._arrival.append(slot)
-        if self.accumulate_in_vram and not last:
+        if slot.resident:
+            if param._version != slot.version and "master_param" in slot.device_state:
+                slot.device_state["master_param"].copy_(param.detach())  # bf16 weights written behind our back
+                slot.version = param._version
+            total = slot.device_state.get("accumulator")
+            if total is not None:  # bf16 weights: micro-batches summed in fp32, as on the host
+                if first:
+                    total.copy_(grad)
+                else:
+                    total.add_(grad)
+                param.grad = None
+            return
+        if param._version != slot.version:  # the weights were changed behind our back
+            self._pipeline.load_weights(slot.host, param.data_ptr(), self._current_stream())
+            slot.version = param._version
+        if slot.sum_in_vram and not last:
             return  # autograd adds the next micro-batch into param.grad
+        host_sum = self._sums_on_host(slot)
         update_now = last and self.max_grad_norm is None
         job = dict(
-            accumulate=self._host_sum,
-            overwrite=self._host_sum and first,
-            from_accumulator=self._host_sum,
+            accumulate=host_sum,
+            overwrite=host_sum and first,
+            from_accumulator=host_sum,
             norm=last and self._track_norm,
         )
         if update_now:
@@ -217,6 +338,9 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self._send(slot, grad, job)
         if update_now:
             self._mark_updated(slot)
+
+    def _sums_on_host(self, slot: _Slot) -> bool:
+        return self.accumulation_steps > 1 and not slot.sum_in_vram and not slot.resident
 
     def _send(self, slot: _Slot, grad: torch.Tensor, job: dict) -> None:
         """Hands a gradient to the pipeline (copy out, then `job` on the host) and frees it."""
@@ -235,22 +359,25 @@ class OffloadedAdamW(torch.optim.Optimizer):
         if torch._C._current_autograd_node() is None:
             self._backward_tasks.clear()
             self._micro += 1
+            if self._profiler is not None and self._profiler.recording:
+                self._profiler.end_backward()
 
-    def _update_args(self, slot: _Slot, grad_scale: float) -> dict:
+    def _hyper(self, slot: _Slot, grad_scale: float) -> dict:
         group = slot.group
-        lr = group["lr"]
         beta1, beta2 = group["betas"]
         return dict(
-            update=True,
-            lr=float(lr), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
+            lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
             weight_decay=float(group.get("weight_decay", 0.0)), step=slot.step + 1,
             grad_scale=grad_scale, maximize=bool(group.get("maximize", False)),
-            device_weight=slot.param.data_ptr(),
         )
 
+    def _update_args(self, slot: _Slot, grad_scale: float) -> dict:
+        return dict(update=True, device_weight=slot.param.data_ptr(), **self._hyper(slot, grad_scale))
+
     def _mark_updated(self, slot: _Slot) -> None:
-        self._install_gates()
-        self._uploads_queued += 1
+        if not slot.resident:
+            self._install_gates()
+            self._uploads_queued += 1
         slot.updated = True
         slot.step += 1
         slot.state["step"].fill_(slot.step)
@@ -260,9 +387,10 @@ class OffloadedAdamW(torch.optim.Optimizer):
     def step(self, closure=None, grad_scaler=None):
         """Apply this accumulation window's gradients. Returns the closure's loss, if any.
 
-        Without clipping, updates have already started during backward and this returns at
-        once; with max_grad_norm it waits for the gradient norms, then queues the updates in
-        forward order. Either way the next forward waits for exactly the weights it reads.
+        Without clipping, offloaded updates have already started during backward; with
+        max_grad_norm they wait for the global gradient norm, then are queued in forward order.
+        Resident parameters are updated here, on the current stream. Either way the next forward
+        waits for exactly the weights it reads.
         """
         if grad_scaler is not None:
             raise UnsupportedSetupError(GRAD_SCALER_MESSAGE)
@@ -271,38 +399,70 @@ class OffloadedAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         pending = [s for s in reversed(self._arrival) if not s.updated]  # forward order
+        if self._arrival:
+            self._norm_slots = sorted(self._arrival, key=lambda s: s.index)
+            self._device_norms = {}
         if pending:
-            from_acc = self._host_sum
-            scale = 1.0
             for s in pending:
-                if s.param.grad is not None and self.accumulate_in_vram:
+                if s.resident:
+                    continue
+                if s.param.grad is not None and s.sum_in_vram:
                     # Still summing in VRAM: an early step, or no gradient in the last backward.
                     self._send(s, s.param.grad, dict(norm=self._track_norm))
                 elif self._track_norm and self._micro < self.accumulation_steps:
                     # early step: the norm was not taken during backward
-                    self._pipeline.submit(s.host, from_accumulator=from_acc, norm=True)
-            self._norm_slots = list(self._arrival)
+                    self._pipeline.submit(s.host, from_accumulator=self._sums_on_host(s), norm=True)
+            resident = [(s, ResidentAdamW.gradient(s.param, s.device_state)) for s in self._norm_slots
+                        if s.resident and not s.updated]
+            resident = [(s, g) for s, g in resident if g is not None]
+            norms = device_scale = None
+            if resident and self._track_norm:
+                norms = self._resident.norms([g for _, g in resident])
+                self._device_norms = ([s for s, _ in resident], norms)
+                self._norm_pending = True
+            scale = 1.0
             if self.max_grad_norm is not None:
-                scale = self._clip_coefficient()
+                if norms is not None and all(s.resident for s in self._norm_slots):
+                    # every norm is on the device: so is the coefficient, and nothing waits for it
+                    device_scale = self._resident.clip_scale(norms, self.max_grad_norm, _CLIP_EPS)
+                if device_scale is None:
+                    scale = self._clip_coefficient()
             for s in pending:
-                self._pipeline.submit(s.host, from_accumulator=from_acc,
-                                      **self._update_args(s, grad_scale=scale))
-                self._mark_updated(s)
-        if not pending and self._arrival:
-            self._norm_slots = list(self._arrival)
+                if not s.resident:
+                    self._pipeline.submit(s.host, from_accumulator=self._sums_on_host(s),
+                                          **self._update_args(s, grad_scale=scale))
+                    self._mark_updated(s)
+            self._update_resident(resident, scale, device_scale)
         for s in self._arrival:
             s.landed = s.updated = False
         self._arrival = []
         self._micro = 0
+        self._forwards = 0
+        self._windows += 1
+        if self._profiler is not None and self.plan is None and self._profiler.complete:
+            self._promote()
+        elif self.plan is not None and not self._checked:
+            self._check_peak()
         return loss
+
+    def _update_resident(self, items: list, scale: float, device_scale: torch.Tensor | None) -> None:
+        """One launch (or host call) per set of parameters that share their hyperparameters."""
+        batches: dict[tuple, list] = {}
+        for s, grad in items:
+            hyper = self._hyper(s, scale)
+            batches.setdefault(tuple(sorted(hyper.items())), []).append((s, grad))
+        for key, batch in batches.items():
+            self._resident.update([(s.param, g, s.device_state) for s, g in batch], dict(key), device_scale)
+            for s, _ in batch:
+                self._mark_updated(s)
 
     @property
     def pack_gradients(self) -> bool:
         """Send fp32 gradients whose values are bf16 (weight gradients under bf16 autocast) as
-        bf16, losslessly: half the PCIe and host-memory bytes (default True). Not done when a
-        share of activations or a VRAM budget is asked for: the pack kernels take SMs from
-        backward, which that much paging makes the longer side of the step (activations="auto"
-        pages only what hides behind compute)."""
+        bf16, losslessly: half the PCIe and host-memory bytes (default True). Not done while
+        blocks are paged or recomputed for a budget (or a share of activations is asked for): the
+        pack kernels take SMs from backward, which that makes the longer side of the step
+        (activations="auto" with placement="offload" pages only what hides behind compute)."""
         return self._pack
 
     @pack_gradients.setter
@@ -324,7 +484,10 @@ class OffloadedAdamW(torch.optim.Optimizer):
 
     def _sync_packing(self) -> None:
         pager = self.activation_pager
-        paging = pager is not None and (pager.vram_budget is not None or bool(pager.share))
+        if self.plan is not None:
+            paging = self.plan.hooks and (self.plan.paged > 0 or bool(self.plan.recomputed))
+        else:
+            paging = pager is not None and (pager.vram_budget is not None or bool(pager.share))
         self._pipeline.pack_gradients = self._pack and not paging
 
     def _clip_coefficient(self) -> float:
@@ -335,17 +498,26 @@ class OffloadedAdamW(torch.optim.Optimizer):
     def last_grad_norm(self) -> float | None:
         """Global L2 norm of the last window's gradients (before clipping), for logging.
 
-        Measured when max_grad_norm is set or wrap(track_grad_norm=True); None otherwise.
+        Measured when max_grad_norm is set or wrap(track_grad_norm=True); None otherwise. The
+        parameters' squared norms are added in forward order whatever their placement, so the
+        norm (and the clipping) has the same bits for every placement.
         """
         if self._norm_pending:
-            self._pipeline.synchronize()
-            self._last_grad_norm = math.sqrt(sum(s.host.squared_norm for s in self._norm_slots))
+            if any(not s.resident for s in self._norm_slots):
+                self._pipeline.synchronize()
+            if isinstance(self._device_norms, tuple):
+                slots, pending = self._device_norms
+                self._device_norms = dict(zip(slots, pending.values()))
+            total = 0.0  # added in order, one rounding each, as the device adds them (not sum())
+            for s in self._norm_slots:
+                total += self._device_norms.get(s, 0.0) if s.resident else s.host.squared_norm
+            self._last_grad_norm = math.sqrt(total)
             self._norm_pending = False
         return self._last_grad_norm
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clears gradients left on the device: any a caller left behind, and with
-        accumulate_in_vram the window's unsent sums (as torch's zero_grad would)."""
+        """Clears gradients left on the device: resident parameters' and any a caller left
+        behind, and the unsent sums of micro-batches summed in VRAM (as torch's zero_grad would)."""
         for p in self._slots:
             p.grad = None
 
@@ -354,13 +526,173 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self._pipeline.synchronize()
         self._pipeline.gate(self._hosts, self._current_stream())
 
+    # ------------------------------------------------------------------- placement
+    def _placement_window_starts(self, args: tuple, kwargs: dict) -> None:
+        """At a window's first forward: profile window 2 (window 1 runs cold). The plan follows at
+        the end of that window's step(), between steps, where no hook is running."""
+        profiler = self._profiler
+        if self.plan is None and self._windows == 1 and not profiler.recording and not profiler.complete:
+            self.synchronize()  # the profiled forward computes; it does not wait for uploads
+            self._bandwidths = measure_bandwidths(self._device)  # while little is allocated
+            if self.activation_pager is not None and self.activation_pager.deferred:
+                self.activation_pager.time_next_forward = True  # its block times: the same forward
+            profiler.start_forward(args, kwargs)
+
+    def _promote(self) -> None:
+        """Plans from the profile and moves everything where the plan puts it: a wait for the
+        host's last updates, then one copy of the moments (and bf16 masters) into VRAM."""
+        self.synchronize()
+        profile = self._build_profile()
+        budget = self.vram_budget
+        plan = planner.plan_placement(profile, budget)
+        if not plan.fits:
+            smallest = planner.smallest_plan(profile)
+            floor = planner.peak_bytes(profile, smallest)
+            raise VramBudgetError(
+                f"the step cannot fit a VRAM budget of {budget / 1e9:.2f} GB: with every gradient and "
+                f"AdamW state offloaded and every block recomputed and paged, it still needs "
+                f"{floor / 1e9:.2f} GB (weights {profile.weight_bytes / 1e9:.2f} GB + activations and "
+                f"workspace {(floor - profile.weight_bytes) / 1e9:.2f} GB) + a reserve of "
+                f"{planner.reserve_for(budget) / 1e9:.2f} GB for the estimate. Raise the budget, lower "
+                f"the batch or sequence length, or use bf16 weights.")
+        self._profile = profile
+        self._apply(plan)
+        log.info("trainstream %s", self.describe())
+
+    def _build_profile(self) -> planner.Profile:
+        pager = self.activation_pager
+        deferred = pager is not None and pager.deferred
+        if deferred:
+            pager.finish_profile()
+        times = self._profiler.timings(pager.profiled_marks if deferred else None)
+        blocks, block_of = [], {}
+        figures = pager.last if pager is not None else None
+        if deferred and pager.profile is not None:
+            prof = pager.profile
+            casts = figures.block_cast_bytes or [0] * len(pager.blocks)
+            blocks = [planner.BlockCost(b, i, t, c) for b, i, t, c in
+                      zip(prof.block_bytes, prof.block_input_bytes or [0] * len(prof.block_bytes),
+                          prof.block_seconds, casts)]
+        if pager is not None and pager.blocks:
+            for j, block in enumerate(pager.blocks):
+                for p in block.parameters():
+                    block_of.setdefault(p, j)
+        inside = [s.index for s in self._order if s.param in block_of]
+        n = len(blocks)
+        params = []
+        for s in self._order:
+            j = block_of.get(s.param)
+            where = min(j, n) if j is not None else (-1 if inside and s.index < inside[0] else n)
+            params.append(planner.ParamCost(
+                name=self._name(s), numel=s.param.numel(), element_size=s.param.element_size(), block=where,
+                need_s=times["need_s"][s.index], arrival_s=times["arrival_s"][s.index],
+                segment_peak=times["segment_peak"][s.index]))
+        stats, start = self._pipeline.stats(), self._stats_at_start
+        updated = stats["updated_elements"] - start["updated_elements"]
+        host_rate = (stats["busy_seconds"] - start["busy_seconds"]) / updated if updated else 0.0
+        d2h, h2d, vram = self._bandwidths
+        hook_s = 0.0
+        if figures is not None:
+            hook_s = figures.packs * _PACK_S + 3 * figures.recast_bytes / vram
+        return planner.Profile(
+            params=params, blocks=blocks, accumulation_steps=self.accumulation_steps,
+            clipping=self.max_grad_norm is not None, forward_s=times["forward_s"], backward_s=times["backward_s"],
+            forward_peak=self._profiler.forward_peak, tail_peak=self._profiler.tail_peak,
+            host_s_per_param=host_rate, d2h_bytes_per_s=d2h, h2d_bytes_per_s=h2d, device_bytes_per_s=vram,
+            profiled_paged=pager._paged_upto if pager is not None else 0, profiled_hooks=pager is not None,
+            outside_cast_bytes=figures.outside_cast_bytes if figures is not None else 0, hook_s=hook_s,
+            weight_bytes=sum(p.numel() * p.element_size() for p in self._model.parameters()),
+            fixed_activations=not deferred)
+
+    def _name(self, slot: _Slot) -> str:
+        return self._names.get(slot.param, f"param{slot.index}")
+
+    def _apply(self, plan: planner.Plan) -> None:
+        """Moves every parameter to where `plan` puts it (between steps: nothing is in flight)."""
+        self.synchronize()
+        _ = self.last_grad_norm  # the window's norm, read where its parts were taken
+        for i, s in enumerate(self._order):
+            resident = i < plan.resident
+            if resident != s.resident:
+                self._move(s, resident)
+            summable = not resident and self.accumulation_steps > 1 and s.param.dtype == torch.float32
+            wanted = self._vram_sums if self._vram_sums is not None else i < plan.resident + plan.vram_sums
+            # (without a host accumulator, the sums can only be in VRAM)
+            s.sum_in_vram = summable and (wanted or not s.host.has_accumulator)
+        pager = self.activation_pager
+        if pager is not None and pager.deferred:
+            if plan.hooks:
+                pager.apply(plan.paged, plan.recomputed, "placement planner")
+            else:
+                pager.remove()
+                self.activation_pager = None
+        self.plan = plan
+        self._build_gates()
+        if self._upload_terms:
+            self._ensure_staging()
+        self._sync_packing()
+        if self._device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self._device)
+
+    def _move(self, slot: _Slot, resident: bool) -> None:
+        p = slot.param
+        if resident:
+            state = ResidentAdamW.new_state(p, self.accumulation_steps)
+            host = self._host_state(slot)
+            for key, value in host.items():  # the host's state (and bf16 master) carries over
+                state[key].copy_(value)
+            slot.device_state = state
+            slot.state.update({k: v for k, v in state.items() if k != "accumulator"})
+        else:
+            host = self._host_state(slot)
+            for key, value in host.items():
+                value.copy_(slot.device_state[key])
+            slot.device_state = None
+            slot.state.update(host)
+            if p.dtype == torch.float32 and not self._upload_terms:
+                self._pipeline.load_weights(slot.host, p.data_ptr(), self._current_stream())
+        slot.version = p._version
+        slot.resident = resident
+
+    def _check_peak(self) -> None:
+        """After the first planned window: if its peak went over the budget, the estimate was
+        short; plan again once with the difference added."""
+        self._checked = True
+        if self._device.type != "cuda" or self.vram_budget is None or self._profile is None:
+            return
+        observed = torch.cuda.max_memory_allocated(self._device)
+        self.plan.observed_peak = observed
+        if observed <= self.plan.budget:
+            return
+        short = observed - self.plan.expected_peak
+        plan = planner.plan_placement(self._profile, max(1, self.plan.budget - short))
+        log.warning("trainstream: the step peaked at %.2f GB, over the %.2f GB budget (expected %.2f GB); "
+                    "re-planning with %.2f GB less", observed / 1e9, self.plan.budget / 1e9,
+                    self.plan.expected_peak / 1e9, short / 1e9)
+        self._apply(replace(plan, budget=self.plan.budget, observed_peak=observed))
+
+    def describe(self) -> str:
+        """Where everything lives and why, in a few readable lines."""
+        lines = []
+        if self.plan is not None and self._profile is not None:
+            lines.append(planner.describe(self.plan, self._profile))
+        else:
+            resident = sum(s.resident for s in self._order)
+            state = "profiling the first steps with everything offloaded" if self._profiler else "fixed"
+            lines.append(f"placement ({state}): {resident} of {len(self._order)} parameters keep gradient and "
+                         f"AdamW state in VRAM, {len(self._order) - resident} offloaded to host memory")
+        if self.activation_pager is not None:
+            lines.append(self.activation_pager.describe())
+        return "\n".join(lines)
+
     # ------------------------------------------------------------------- checkpoints
     def state_dict(self):
         self.synchronize()
         return super().state_dict()
 
     def load_state_dict(self, state_dict) -> None:
-        """Load a torch.optim.AdamW (or our own) state dict; tensors are copied to host memory."""
+        """Load a torch.optim.AdamW (or our own) state dict, whatever placement wrote it: tensors
+        are copied to where this optimizer keeps them."""
         self.synchronize()
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != len(self.param_groups):
@@ -389,8 +721,11 @@ class OffloadedAdamW(torch.optim.Optimizer):
                 with torch.no_grad():
                     p.copy_(slot.state["master_param"].to(p.device, p.dtype))
                 slot.version = p._version
-            elif p._version != slot.version:
-                self._pipeline.load_weights(slot.host, p.data_ptr(), self._current_stream())
+            elif p._version != slot.version:  # the model's weights were loaded: the master follows them
+                if not slot.resident:
+                    self._pipeline.load_weights(slot.host, p.data_ptr(), self._current_stream())
+                elif "master_param" in slot.state:
+                    slot.state["master_param"].copy_(p.detach())
                 slot.version = p._version
 
     def add_param_group(self, param_group: dict) -> None:
@@ -403,8 +738,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
     # ---------------------------------------------------------------------- figures
     def report(self) -> dict:
         """What TrainStream holds where, and how the host engine runs."""
-        numel = sum(s.param.numel() for s in self._slots.values())
-        fp32 = [s for s in self._slots.values() if s.param.dtype == torch.float32]
+        numel = sum(s.param.numel() for s in self._order)
+        fp32 = [s for s in self._order if s.param.dtype == torch.float32 and not s.resident]
         packed = sum(s.param.numel() for s in fp32 if s.host.last_gradient_as_bf16)
         return {
             "trainable_params": numel,
@@ -415,16 +750,48 @@ class OffloadedAdamW(torch.optim.Optimizer):
             "isa": self._pipeline.isa,
             "threads": self._pipeline.threads,
             "accumulation_steps": self.accumulation_steps,
-            "accumulate_in": "vram" if self.accumulate_in_vram else "host",
             "max_grad_norm": self.max_grad_norm,
             "last_grad_norm": self.last_grad_norm,
-            # share of fp32 weights whose last gradient was bf16-exact (under bf16 autocast, the
-            # matmuls') and crossed as bf16; each one is tested, so none is ever rounded
+            # share of offloaded fp32 weights whose last gradient was bf16-exact (under bf16
+            # autocast, the matmuls') and crossed as bf16; each one is tested, so none is rounded
             "gradients_sent_as_bf16": packed / max(sum(s.param.numel() for s in fp32), 1),
             # VRAM besides the weights: the buffer fp32 update terms cross through (64 MiB at most)
             "vram_staging_bytes": self._staging.nbytes if self._staging is not None else 0,
+            "placement": self._placement_report(),
             "activations": self.activation_pager.report() if self.activation_pager else "off",
         }
+
+    def _placement_report(self) -> dict:
+        plan = self.plan
+        out = {
+            "mode": self._placement if isinstance(self._placement, str) else f"share {self._placement:g}",
+            "state": "planned" if plan is not None else "profiling" if self._profiler is not None else "fixed",
+            "resident_params": sum(s.resident for s in self._order),
+            "offloaded_params": sum(not s.resident for s in self._order),
+            "vram_budget_bytes": self.vram_budget,
+            "params": [{
+                "name": self._name(s), "numel": s.param.numel(), "weight": "vram",
+                "gradient": "vram" if s.resident else "host",
+                "state": "vram" if s.resident else "host",
+                "window_sum": None if self.accumulation_steps == 1 else
+                "vram" if s.resident or s.sum_in_vram else "host",
+            } for s in self._order],
+        }
+        if plan is not None:
+            kinds = []
+            for j in range(len(self._profile.blocks) if self._profile else 0):
+                kinds.append("paged" if plan.hooks and j < plan.paged else
+                             "recomputed" if plan.hooks and j in plan.recomputed else "kept")
+            out.update({
+                "blocks": kinds, "saved_tensor_hooks": plan.hooks,
+                "expected_peak_bytes": plan.expected_peak, "reserve_bytes": plan.reserve,
+                "observed_peak_bytes": plan.observed_peak,
+                "expected_step_s": plan.expected_step_s, "step_terms": dict(plan.step_terms),
+                "moves": list(plan.moves),
+                # what the plan was made from, for a person comparing it with what ran
+                "profile": asdict(self._profile) if self._profile is not None else None,
+            })
+        return out
 
     def remove_hooks(self) -> None:
         """Detach from the model (after a final synchronize); the optimizer is unusable after."""
@@ -432,6 +799,9 @@ class OffloadedAdamW(torch.optim.Optimizer):
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        for s in self._order:
+            if wrapped_by(s.param) is self:
+                del _OWNERS[id(s.param)]
         self._remove_gates()
         if self.activation_pager is not None:
             self.activation_pager.remove()

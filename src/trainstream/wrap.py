@@ -6,10 +6,13 @@ import torch
 
 from trainstream._native import _C, require_cuda_build
 from trainstream.activations import ActivationPager, parse_bytes
-from trainstream.errors import UnsupportedSetupError, check_optimizer, check_weight_dtype
-from trainstream.optimizer import OffloadedAdamW
+from trainstream.errors import (UnsupportedSetupError, VramBudgetError, check_not_distributed, check_optimizer,
+                                check_weight_dtype)
+from trainstream.optimizer import OffloadedAdamW, wrapped_by
+from trainstream.placement import reserve_for
 
 _GIB = 1 << 30
+FRAGMENTATION_MARGIN = 0.05  # of the usable VRAM, left out of the default budget
 
 
 def host_bytes_per_param(dtype: torch.dtype, host_accumulator: bool) -> int:
@@ -26,18 +29,20 @@ def wrap(
     *,
     max_grad_norm: float | None = None,
     accumulation_steps: int = 1,
-    accumulate_in_vram: bool = False,
+    vram_budget: int | str | None = None,
+    activations: str | float = "auto",
+    blocks: list[torch.nn.Module] | None = None,
+    placement: str | float = "auto",
+    accumulate_in_vram: bool | None = None,
     track_grad_norm: bool = False,
     threads: int = 0,
     isa: str | None = None,
     max_grad_bytes_in_flight: int = 512 << 20,
-    activations: str | float = "auto",
-    vram_budget: int | str | None = None,
-    blocks: list[torch.nn.Module] | None = None,
     prefetch_depth: int = 1,
     recompute: bool = True,
 ) -> tuple[torch.nn.Module, OffloadedAdamW]:
-    """Move gradients, AdamW state and the AdamW update of `model` to host memory and threads.
+    """Train `model` within a VRAM budget: AdamW state, gradients and activations go where the
+    placement planner puts them, and updates match torch.optim.AdamW wherever they run.
 
     Args:
         model: the model, already on its GPU (or on the CPU, where the same machinery runs with
@@ -45,34 +50,33 @@ def wrap(
         optimizer: a torch.optim.AdamW (or Adam without weight decay) over the model's
             trainable parameters. Its param_groups are shared with the returned optimizer.
         max_grad_norm: clip the global gradient L2 norm to this (as clip_grad_norm_ would).
-            Do not call clip_grad_norm_ yourself: gradients are no longer on the device.
-        accumulation_steps: backward passes per optimizer step; micro-batch gradients are summed
-            in fp32 host memory, and the update runs after the last one (or at an earlier step()).
-        accumulate_in_vram: with accumulation_steps > 1, let autograd sum the micro-batch
-            gradients in VRAM, as plain PyTorch does, and send each sum to the host from the
-            window's last backward. Costs VRAM for one gradient per weight (4 bytes a parameter)
-            and saves PCIe traffic: each gradient crosses once per step instead of once per
-            micro-batch. The sums are the same fp32 adds in the same order. fp32 weights only.
+            Do not call clip_grad_norm_ yourself: gradients may no longer be on the device.
+        accumulation_steps: backward passes per optimizer step; the update runs after the last
+            one (or at an earlier step()).
+        vram_budget: the peak VRAM a step may use, in bytes or as a string like "20GB". None: what
+            this process can use on its device at wrap() time (free memory plus what it already
+            holds, within torch.cuda.set_per_process_memory_fraction), less 5% for fragmentation.
+        activations: "auto" (default): the planner keeps, pages or recomputes each block's saved
+            activations; "off": no saved-tensor hooks at all; a float in [0, 1]: page that share
+            of the blocks. Paging and recomputing are bit-exact.
+        blocks: the modules whose activations are paged or recomputed block by block (default:
+            the largest ModuleList of same-class modules, i.e. the transformer layers).
+        placement: "auto" (default): profile the first two steps with everything offloaded, then
+            keep on the GPU the gradients and AdamW state of as many parameters as the budget
+            allows (the first in forward order first) and offload the rest; "offload": every
+            parameter offloaded, always; "gpu": every parameter's state in VRAM; a float in
+            [0, 1]: that share of the parameters, the first in forward order, in VRAM.
+        accumulate_in_vram: for offloaded parameters with accumulation_steps > 1, sum the
+            micro-batches in VRAM (True, fp32 weights only) or in host memory (False). None: the
+            planner's choice per parameter under "auto", else host memory.
         track_grad_norm: measure the global gradient norm even without clipping
             (``optimizer.last_grad_norm``).
         threads: host threads for AdamW (0: every CPU this process may use).
         isa: force "avx512", "avx2" or "scalar" (default: $TRAINSTREAM_ISA, else the best).
         max_grad_bytes_in_flight: gradient bytes that may wait in device memory for their copy to
             the host; backward pauses at a hook beyond that, which caps the VRAM gradients take.
-        activations: activation paging. "auto" (default on CUDA): after two profiling steps
-            (every block but the last paged, the second one timed), page the saved activations of
-            as many leading blocks as can be copied behind the forward compute; a float in [0, 1]:
-            page that share of the blocks; "off": no paging (and no saved-tensor hooks at all).
-            With paging on, autocast's bf16 copies of the weights are recomputed in backward
-            instead of kept. Paging is bit-exact.
-        vram_budget: peak VRAM to stay under, in bytes or as a string like "24GB": page the
-            blocks whose copies hide behind compute, then recompute (checkpoint) as many of the
-            others as that needs; if recomputing is not enough, page more, even if their copies
-            cannot all hide.
-        blocks: the modules to page block by block (default: the largest ModuleList of
-            same-class modules, i.e. the transformer layers).
         prefetch_depth: blocks prefetched ahead of the one running backward.
-        recompute: let a vram_budget recompute blocks in backward rather than page them beyond
+        recompute: let activation plans recompute blocks in backward rather than page them beyond
             what hides. False pages only (for blocks whose forward must not run twice).
 
     Returns:
@@ -80,17 +84,28 @@ def wrap(
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    check_optimizer(optimizer)
     if isinstance(optimizer, OffloadedAdamW):
-        raise UnsupportedSetupError("this optimizer is already wrapped by trainstream")
+        raise UnsupportedSetupError(
+            "this optimizer is the one trainstream.wrap() returned: the model is already wrapped. To wrap "
+            "it again, call optimizer.remove_hooks() first and wrap a torch.optim.AdamW over its parameters")
+    check_optimizer(optimizer)
     if max_grad_norm is not None and not (max_grad_norm > 0):
         raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm}")
     if int(accumulation_steps) != accumulation_steps or accumulation_steps < 1:
         raise ValueError(f"accumulation_steps must be an integer >= 1, got {accumulation_steps}")
+    placement = _check_placement(placement)
+    if accumulate_in_vram not in (None, True, False):
+        raise TypeError(f"accumulate_in_vram must be True, False or None, got {accumulate_in_vram!r}")
 
     trainable = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
     if not trainable:
         raise ValueError("the optimizer has no trainable parameters (requires_grad=True)")
+    check_not_distributed(model, trainable)
+    if any(wrapped_by(p) is not None for p in list(model.parameters()) + trainable):
+        raise UnsupportedSetupError(
+            "this model (or some of its parameters) is already wrapped by trainstream: a second wrap would "
+            "hook every gradient twice. Call remove_hooks() on the optimizer the first wrap() returned, then "
+            "wrap again")
     names = {p: n for n, p in model.named_parameters()}
     in_optimizer = set(trainable)
     missing = [n for p, n in names.items() if p.requires_grad and p not in in_optimizer]
@@ -113,41 +128,83 @@ def wrap(
         raise UnsupportedSetupError(
             "accumulate_in_vram needs fp32 weights: autograd would sum bf16 gradients in bf16, "
             "rounding every micro-batch. Leave it off to sum them in fp32 on the host.")
-    host_accumulator = accumulation_steps > 1 and not accumulate_in_vram
-    _check_host_memory(trainable, host_accumulator)
-    paging, share, budget = _activation_policy(activations, vram_budget, device)
+    if device.type not in ("cuda", "cpu"):
+        raise UnsupportedSetupError(f"parameters on {device} are not supported (CUDA or CPU only)")
     if not isinstance(recompute, bool):
         raise TypeError(f"recompute must be True or False, got {recompute!r}")
-
+    host_accumulator = accumulation_steps > 1 and accumulate_in_vram is not True
+    unique = list({id(p): p for p in trainable}.values())
+    offloaded = unique[round(placement * len(unique)):] if isinstance(placement, float) else (
+        [] if placement == "gpu" else unique)
+    _check_host_memory(offloaded, host_accumulator)
+    auto = placement == "auto"
+    budget = None if vram_budget is None else parse_bytes(vram_budget)
     if device.type == "cuda":
         require_cuda_build()
         index = device.index if device.index is not None else torch.cuda.current_device()
         device = torch.device("cuda", index)
+        if auto and budget is None:
+            budget = default_vram_budget(device)
+    if auto and budget is not None:
+        _check_weights_fit(model, budget)
+    # under "auto" the budget is the planner's, which decides the activations too
+    paging, share, pager_budget = _activation_policy(activations, None if auto else budget, device,
+                                                     planned=auto and budget is not None)
+
+    if device.type == "cuda":
         # Highest priority for the download stream: with accumulation its gradient-adding kernel
         # must get SMs while backward keeps the GPU busy.
         streams = (torch.cuda.Stream(device, priority=-100), torch.cuda.Stream(device))
-        pipeline = _C.cuda_pipeline(index, streams[0].cuda_stream, streams[1].cuda_stream, threads, isa,
+        pipeline = _C.cuda_pipeline(device.index, streams[0].cuda_stream, streams[1].cuda_stream, threads, isa,
                                     max_grad_bytes_in_flight)
-    elif device.type == "cpu":
+    else:
         streams = None
         pipeline = _C.host_pipeline(threads, isa, max_grad_bytes_in_flight)
-    else:
-        raise UnsupportedSetupError(f"parameters on {device} are not supported (CUDA or CPU only)")
 
     pager = None
     if paging:
-        pager = ActivationPager(model, device=device, share=share, vram_budget=budget, blocks=blocks,
-                                prefetch_depth=prefetch_depth, recompute=recompute)
+        pager = ActivationPager(model, device=device, share=share, vram_budget=pager_budget, blocks=blocks,
+                                prefetch_depth=prefetch_depth, recompute=recompute, deferred=auto)
     wrapped = OffloadedAdamW(
         optimizer, model, pipeline, device=device, max_grad_norm=max_grad_norm,
         accumulation_steps=int(accumulation_steps), track_grad_norm=track_grad_norm, streams=streams,
-        activation_pager=pager, accumulate_in_vram=accumulate_in_vram,
+        activation_pager=pager, accumulate_in_vram=accumulate_in_vram, placement=placement,
+        vram_budget=budget if auto else None, threads=threads, isa=isa,
     )
     if pager is not None:
         pager.settle = wrapped.synchronize
     for p in trainable:
         p.grad = None
     return model, wrapped
+
+
+def _check_placement(placement) -> str | float:
+    if isinstance(placement, str) and placement in ("auto", "offload", "gpu"):
+        return placement
+    if isinstance(placement, (int, float)) and not isinstance(placement, bool) and 0 <= placement <= 1:
+        return float(placement)
+    raise ValueError(f"placement must be 'auto', 'offload', 'gpu' or a share in [0, 1], got {placement!r}")
+
+
+def default_vram_budget(device: torch.device) -> int:
+    """What this process can use on `device` now, less FRAGMENTATION_MARGIN of it: the free memory
+    plus what torch's allocator already holds, within the per-process memory fraction."""
+    free, total = torch.cuda.mem_get_info(device)
+    usable = free + torch.cuda.memory_reserved(device)
+    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda _: 1.0)(device)
+    usable = min(usable, int(fraction * total))
+    return int(usable * (1 - FRAGMENTATION_MARGIN))
+
+
+def _check_weights_fit(model: torch.nn.Module, budget: int) -> None:
+    weights = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+    reserve = reserve_for(budget)
+    if weights + reserve > budget:
+        raise VramBudgetError(
+            f"the model's weights alone take {weights / 1e9:.2f} GB of VRAM, and with the planner's "
+            f"reserve of {reserve / 1e9:.2f} GB that exceeds the budget of {budget / 1e9:.2f} GB "
+            f"before any activation or workspace; TrainStream does not stream weights from host "
+            f"memory yet. Raise the budget, use bf16 weights or a smaller model.")
 
 
 def _check_host_memory(params: list[torch.Tensor], host_accumulator: bool) -> None:
@@ -164,9 +221,10 @@ def _check_host_memory(params: list[torch.Tensor], host_accumulator: bool) -> No
         )
 
 
-def _activation_policy(activations, vram_budget, device: torch.device) -> tuple[bool, float | None, int | None]:
-    """(page?, share, budget) for the pager from wrap()'s arguments; share None means "auto"."""
-    budget = None if vram_budget is None else parse_bytes(vram_budget)
+def _activation_policy(activations, budget, device: torch.device,
+                       planned: bool = False) -> tuple[bool, float | None, int | None]:
+    """(page?, share, budget) for the pager from wrap()'s arguments; share None means "auto". With
+    `planned`, a budget's planner decides the activations, on the CPU too (CPU mode's tests)."""
     if isinstance(activations, str) and activations in ("auto", "off"):
         share = None
     elif isinstance(activations, (int, float)) and not isinstance(activations, bool) and 0 <= activations <= 1:
@@ -175,11 +233,12 @@ def _activation_policy(activations, vram_budget, device: torch.device) -> tuple[
         raise ValueError(f"activations must be 'auto', 'off' or a share in [0, 1], got {activations!r}")
     if activations == "off":
         if budget is not None:
-            raise ValueError("vram_budget needs activation paging: drop activations='off'")
+            raise ValueError("vram_budget needs activation paging: drop activations='off', or use placement='auto'")
         return False, None, None
     if device.type != "cuda":
         if budget is not None:
-            raise UnsupportedSetupError("vram_budget applies to CUDA models only")
-        # nothing to save on the CPU; an explicit share still runs the machinery (tests)
-        return share is not None, share, None
+            raise UnsupportedSetupError("vram_budget applies to CUDA models only (or to placement='auto')")
+        # nothing to save on the CPU; an explicit share or a planned budget still runs the
+        # machinery (tests)
+        return share is not None or planned, share, None
     return True, share, budget

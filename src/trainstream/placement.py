@@ -1,0 +1,381 @@
+"""Where every byte of a training step lives: a pure function from a measured profile to a plan.
+
+The profile comes from training steps run in a placement that surely fits (every parameter's
+gradient and AdamW state in host memory, every block but the last paged). The planner starts
+from the fastest placement, everything in VRAM as plain PyTorch keeps it, and while the expected
+peak is over the budget takes the cheapest way to save VRAM, measured in seconds added per GB
+saved:
+
+* offload the AdamW state and gradient of the last resident parameter in forward order (its
+  gradient arrives first in backward, so its host update has the longest to hide; the first
+  parameters in forward order stay on the GPU longest),
+* sum an offloaded parameter's micro-batches on the host rather than in VRAM (accumulation),
+* turn the saved-tensor hooks on (autocast's copies of the weights recomputed in backward, an
+  activation's repeated casts saved once), page the next leading block's activations to host
+  memory, or recompute a block in backward from its inputs.
+
+Both sides are modelled from the profile: the peak from the profiled memory curve (the forward's
+peak and the peak before each gradient arrives) plus what each choice keeps, the step time from a
+simulation of the gradient downloads, the host engine (updates in forward order as gradients
+land, or after the global norm with clipping), the uploads and the next forward's waits for them.
+Nothing here touches torch: it is tested on CPU with made-up profiles.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field, replace
+
+GB = 1e9
+RESERVE_FRACTION = 0.03  # of the budget, for the model's error: the plan's peak stays under the rest
+MIN_RESERVE = 256 << 20
+STEP_FRACTION = 0.01  # offload moves take at least this share of the parameters' bytes at a time
+PAGING_HOST_SLOWDOWN = 1.2  # the host engine while paging copies share host memory (measured: 18%)
+
+
+@dataclass(frozen=True)
+class ParamCost:
+    """One trainable parameter, in forward order, as the profile saw it."""
+
+    name: str
+    numel: int
+    element_size: int  # of the weights: 4 (fp32) or 2 (bf16)
+    block: int  # its repeated block; -1 before the blocks, len(blocks) after them
+    need_s: float  # forward: when its module starts, after the forward's start
+    arrival_s: float  # backward: when its gradient is complete, after the forward's end
+    segment_peak: int  # profiled peak VRAM between the previous gradient's arrival and this one's
+
+
+@dataclass(frozen=True)
+class BlockCost:
+    """One repeated block's saved activations."""
+
+    bytes: int  # what paging it frees (kept: all of it stays in VRAM until its backward)
+    input_bytes: int  # what recomputing it keeps: its inputs
+    forward_s: float
+    cast_bytes: int = 0  # autocast copies that the hooks recompute or save once; kept without hooks
+
+
+@dataclass
+class Profile:
+    params: list[ParamCost]
+    blocks: list[BlockCost]
+    accumulation_steps: int
+    clipping: bool
+    forward_s: float
+    backward_s: float
+    forward_peak: int  # peak VRAM of the profiled forward
+    tail_peak: int  # from the last gradient to the end of the step
+    host_s_per_param: float  # host engine, all threads: seconds per parameter updated
+    d2h_bytes_per_s: float
+    h2d_bytes_per_s: float
+    device_bytes_per_s: float  # VRAM bandwidth, for the GPU update
+    profiled_paged: int = 0  # leading blocks the profile paged (the rest kept)
+    profiled_hooks: bool = False
+    outside_cast_bytes: int = 0  # autocast copies of weights outside the blocks (an LM head's)
+    hook_s: float = 0.0  # what the saved-tensor hooks cost a micro-batch
+    weight_bytes: int = 0  # every weight in VRAM, trainable or not, for the figures
+    fixed_activations: bool = False  # the activation choices are the user's: no moves on them
+
+
+@dataclass
+class Plan:
+    """A placement. Parameters are in forward order: the first `resident` keep gradient and AdamW
+    state in VRAM; of the others, the first `vram_sums` (fp32 weights) sum micro-batches in
+    VRAM; the rest sum them in host memory."""
+
+    resident: int
+    vram_sums: int = 0
+    hooks: bool = False
+    paged: int = 0  # leading blocks paged (a recomputed one: its inputs)
+    recomputed: tuple[int, ...] = ()
+    budget: int | None = None
+    reserve: int = 0
+    expected_peak: int = 0
+    expected_step_s: float = 0.0
+    step_terms: dict = field(default_factory=dict)
+    fits: bool = True
+    moves: list[str] = field(default_factory=list)
+    observed_peak: int | None = None  # set once a planned step has run
+
+    def key(self) -> tuple:
+        return self.resident, self.vram_sums, self.hooks, self.paged, self.recomputed
+
+
+# ---------------------------------------------------------------------------------- bytes
+def state_bytes(p: ParamCost, acc: int) -> int:
+    """VRAM a resident parameter's optimizer holds for the whole step: the moments, and for bf16
+    weights the fp32 master (and the fp32 sum of micro-batches)."""
+    if p.element_size == 4:
+        return 8 * p.numel
+    return (12 + (4 if acc > 1 else 0)) * p.numel
+
+
+def resident_grad_bytes(p: ParamCost, acc: int) -> int:
+    """A resident parameter's gradient, alive from its arrival to the step (bf16 weights with
+    accumulation add each micro-batch into the fp32 sum and free it)."""
+    if p.element_size == 4:
+        return 4 * p.numel
+    return 0 if acc > 1 else 2 * p.numel
+
+
+def _vram_sum(profile: Profile, plan: Plan, i: int) -> bool:
+    p = profile.params[i]
+    return (profile.accumulation_steps > 1 and p.element_size == 4
+            and plan.resident <= i < plan.resident + plan.vram_sums)
+
+
+def held_bytes(profile: Profile, plan: Plan, j: int) -> int:
+    """What block j keeps in VRAM from its forward to its backward under `plan`."""
+    b = profile.blocks[j]
+    if not plan.hooks:
+        return b.bytes + b.cast_bytes
+    if j < plan.paged:
+        return 0
+    return b.input_bytes if j in plan.recomputed else b.bytes
+
+
+def peak_bytes(profile: Profile, plan: Plan) -> int:
+    """The expected peak VRAM of a step under `plan`."""
+    acc = profile.accumulation_steps
+    params = profile.params
+    n = len(profile.blocks)
+    baseline = Plan(resident=0, hooks=profile.profiled_hooks, paged=profile.profiled_paged)
+    delta = [held_bytes(profile, plan, j) - held_bytes(profile, baseline, j) for j in range(n)]
+    outside = 0 if plan.hooks or not profile.profiled_hooks else profile.outside_cast_bytes
+    state = sum(state_bytes(p, acc) for p in params[:plan.resident])
+    # alive through every forward after a window's first: gradients summed in VRAM
+    always = sum(4 * p.numel for i, p in enumerate(params) if _vram_sum(profile, plan, i))
+    grads = [resident_grad_bytes(p, acc) if i < plan.resident else 0 for i, p in enumerate(params)]
+    if acc > 1:
+        always += sum(grads)
+        grads = [0] * len(params)
+    forward = profile.forward_peak + sum(delta) + outside
+    worst = max(forward, profile.tail_peak + sum(grads))
+    arrived = 0
+    prefix = [0]
+    for d in delta:
+        prefix.append(prefix[-1] + d)
+    for i in sorted(range(len(params)), key=lambda i: params[i].arrival_s):
+        p = params[i]
+        held = prefix[max(0, min(p.block, n))] + (outside if p.block >= n else 0)
+        worst = max(worst, p.segment_peak + held + arrived)
+        arrived += grads[i]
+    return state + always + worst
+
+
+# ----------------------------------------------------------------------------------- time
+def _exposed_paging_s(profile: Profile, plan: Plan) -> tuple[float, int]:
+    """(seconds of copies that do not hide behind forward compute, both directions; bytes paged
+    a step). Block i's copy may run while blocks up to i + 1 compute."""
+    blocks = profile.blocks
+    bandwidth = min(profile.d2h_bytes_per_s, profile.h2d_bytes_per_s)
+    if not plan.hooks or not blocks or plan.paged == 0 or bandwidth <= 0:
+        return 0.0, 0  # (fixed activation choices come with no blocks: the same in every plan)
+    copied = computed = lag = 0.0
+    paged_bytes = 0
+    for i in range(plan.paged):
+        nbytes = blocks[i].input_bytes if i in plan.recomputed else blocks[i].bytes
+        paged_bytes += nbytes
+        copied += nbytes / bandwidth
+        computed += blocks[i].forward_s
+        following = blocks[i + 1].forward_s if i + 1 < len(blocks) else 0.0
+        lag = max(lag, copied - computed - following)
+    return 2 * lag, paged_bytes  # the prefetch in backward is the same copy back
+
+
+def step_seconds(profile: Profile, plan: Plan) -> tuple[float, dict]:
+    """The expected time of one optimizer step (all its micro-batches) under `plan`, and what it
+    is made of."""
+    acc = profile.accumulation_steps
+    params = profile.params
+    recompute = sum(profile.blocks[j].forward_s for j in plan.recomputed) if plan.hooks else 0.0
+    hooks = profile.hook_s if plan.hooks else 0.0
+    paging, paged_bytes = _exposed_paging_s(profile, plan)
+    backward = profile.backward_s + recompute
+    micro = profile.forward_s + backward + hooks + paging
+    offloaded = list(range(plan.resident, len(params)))
+    link = min(profile.d2h_bytes_per_s, profile.h2d_bytes_per_s)
+    host_sums = [i for i in offloaded if not _vram_sum(profile, plan, i)]
+    # micro-batches summed into host memory: a kernel reads and writes the fp32 sum over PCIe
+    summing = (acc - 1) * sum(4 * params[i].numel for i in host_sums) / link if acc > 1 else 0.0
+
+    # The last backward hands the offloaded gradients over; the host engine updates them, in
+    # forward order among those that have landed (after the global norm, when clipping); the
+    # uploads follow; the next forward waits for the weights it reaches.
+    stretch = backward / profile.backward_s if profile.backward_s > 0 else 1.0
+    landed: dict[int, float] = {}
+    clock = 0.0
+    for i in sorted(offloaded, key=lambda i: params[i].arrival_s):
+        p = params[i]
+        nbytes = 4 * p.numel if (acc > 1 or p.element_size == 4) else 2 * p.numel
+        clock = max(clock, p.arrival_s * stretch) + nbytes / profile.d2h_bytes_per_s
+        landed[i] = clock
+    norm_ready = max(landed.values(), default=0.0)
+    if profile.clipping:
+        available = {i: max(backward, norm_ready) for i in offloaded}
+    else:
+        available = landed
+    rate = profile.host_s_per_param * (PAGING_HOST_SLOWDOWN if paged_bytes else 1.0)
+    order = sorted(offloaded, key=lambda i: available[i])
+    finished: list[tuple[float, int]] = []
+    ready: list[int] = []
+    clock, k = 0.0, 0
+    while k < len(order) or ready:
+        if not ready:
+            clock = max(clock, available[order[k]])
+        while k < len(order) and available[order[k]] <= clock:
+            heapq.heappush(ready, order[k])  # forward order: the lowest index first
+            k += 1
+        i = heapq.heappop(ready)
+        clock += params[i].numel * rate
+        finished.append((clock, i))
+    uploaded: dict[int, float] = {}
+    clock = 0.0
+    for done, i in sorted(finished):
+        clock = max(clock, done) + params[i].numel * params[i].element_size / profile.h2d_bytes_per_s
+        uploaded[i] = clock
+    update_start = max(backward, norm_ready) if profile.clipping and offloaded else backward
+    touched = sum(p.numel * (32 if profile.clipping else 28) for p in params[:plan.resident])
+    device_update = touched / profile.device_bytes_per_s if plan.resident else 0.0
+    forward_start = update_start + device_update
+    wait = max((uploaded[i] - forward_start - params[i].need_s for i in offloaded), default=0.0)
+    wait = max(0.0, wait)
+    total = acc * micro + summing + (update_start - backward) + device_update + wait
+    terms = {
+        "forward_backward_s": acc * (profile.forward_s + profile.backward_s),
+        "recompute_s": acc * recompute,
+        "paging_exposed_s": acc * paging,
+        "hooks_s": acc * hooks,
+        "host_summing_s": summing,
+        "norm_wait_s": update_start - backward,
+        "device_update_s": device_update,
+        "weights_wait_s": wait,
+    }
+    return total, terms
+
+
+# -------------------------------------------------------------------------------- planner
+def _offload_step(profile: Profile, resident: int) -> int:
+    """How many of the last resident parameters the next offload move takes (at least one)."""
+    params = profile.params
+    total = sum(p.numel * p.element_size for p in params) or 1
+    taken, k = 0, resident
+    while k > 0 and taken < STEP_FRACTION * total:
+        k -= 1
+        taken += params[k].numel * params[k].element_size
+    return resident - k
+
+
+def _candidates(profile: Profile, plan: Plan) -> list[tuple[str, Plan]]:
+    acc = profile.accumulation_steps
+    out = []
+    if plan.resident > 0:
+        take = _offload_step(profile, plan.resident)
+        sums = plan.vram_sums + take if acc > 1 else 0
+        out.append((f"offload {take} parameter(s)", replace(plan, resident=plan.resident - take, vram_sums=sums)))
+    if acc > 1 and plan.vram_sums > 0:
+        end = plan.resident + plan.vram_sums
+        take = _offload_step(profile, end) if end > plan.resident else 1
+        take = min(take, plan.vram_sums)
+        out.append((f"sum {take} parameter(s) on the host", replace(plan, vram_sums=plan.vram_sums - take)))
+    if profile.fixed_activations or not profile.blocks:
+        return out
+    hooked = replace(plan, hooks=True)
+    if not plan.hooks:
+        out.append(("saved-tensor hooks on", hooked))
+    if plan.paged < len(profile.blocks):
+        out.append((f"page block {plan.paged}", replace(hooked, paged=plan.paged + 1)))
+    gain = [(j, b.bytes - b.input_bytes) for j, b in enumerate(profile.blocks)
+            if j not in plan.recomputed and j >= plan.paged and b.bytes > b.input_bytes]
+    if gain:
+        j = min(gain, key=lambda jg: (profile.blocks[jg[0]].forward_s / jg[1], jg[0]))[0]
+        out.append((f"recompute block {j}", replace(hooked, recomputed=tuple(sorted(plan.recomputed + (j,))))))
+    return out
+
+
+def reserve_for(budget: int) -> int:
+    """VRAM the planner leaves unplanned for the error of its estimate: 3% of the budget, and at
+    least 256 MiB, but never more than a tenth of it."""
+    return max(int(RESERVE_FRACTION * budget), min(MIN_RESERVE, budget // 10))
+
+
+def plan_placement(profile: Profile, budget: int | None) -> Plan:
+    """The fastest placement found whose expected peak, with the reserve, is within `budget`
+    (None: no limit): the cheapest saving first, in seconds per GB. `fits` is False when nothing
+    is left to move (the plan is then the smallest placement there is)."""
+    reserve = reserve_for(budget) if budget is not None else 0
+    limit = budget - reserve if budget is not None else float("inf")
+    plan = Plan(resident=len(profile.params), hooks=profile.profiled_hooks and profile.fixed_activations,
+                paged=profile.profiled_paged if profile.fixed_activations else 0)
+    peak = peak_bytes(profile, plan)
+    seconds, _ = step_seconds(profile, plan)
+    moves = []
+    while peak > limit:
+        best = None
+        for name, candidate in _candidates(profile, plan):
+            saved = peak - peak_bytes(profile, candidate)
+            if saved <= 0:
+                continue
+            cost, _ = step_seconds(profile, candidate)
+            rank = (max(cost - seconds, 0.0) / saved, cost)
+            if best is None or rank < best[0]:
+                best = (rank, name, candidate, saved, cost)
+        if best is None:
+            break
+        (per_byte, _), name, plan, saved, cost = best
+        moves.append(f"{name}: -{saved / GB:.2f} GB, +{(cost - seconds) * 1e3:.1f} ms")
+        peak, seconds = peak - saved, cost
+    seconds, terms = step_seconds(profile, plan)
+    return replace(plan, budget=budget, reserve=reserve, expected_peak=peak, expected_step_s=seconds,
+                   step_terms=terms, fits=peak <= limit, moves=moves)
+
+
+def smallest_plan(profile: Profile) -> Plan:
+    """The placement with the least VRAM: everything offloaded and summed on the host, every
+    block recomputed and paged (as far as the activation choices are the planner's)."""
+    n = len(profile.blocks)
+    if profile.fixed_activations or not n:
+        return Plan(resident=0, hooks=profile.profiled_hooks, paged=profile.profiled_paged)
+    return Plan(resident=0, hooks=True, paged=n,
+                recomputed=tuple(j for j, b in enumerate(profile.blocks) if b.bytes > b.input_bytes))
+
+
+def describe(plan: Plan, profile: Profile, names: bool = False) -> str:
+    """A plan in a few readable lines."""
+    params = profile.params
+    n = len(params)
+    offloaded = params[plan.resident:]
+    numel = sum(p.numel for p in params) or 1
+    lines = [
+        f"placement: {plan.resident} of {n} parameters ({sum(p.numel for p in params[:plan.resident]) / numel:.0%} "
+        f"of the elements) keep gradient and AdamW state in VRAM; {len(offloaded)} offloaded to host memory"
+        + (f", {plan.vram_sums} of them summing micro-batches in VRAM" if profile.accumulation_steps > 1 else ""),
+    ]
+    if profile.blocks:
+        recomputed = set(plan.recomputed)
+        kinds = []
+        for j in range(len(profile.blocks)):
+            kinds.append("paged" if j < plan.paged and plan.hooks else "recomputed" if j in recomputed and plan.hooks
+                         else "kept")
+        counts = {k: kinds.count(k) for k in ("kept", "paged", "recomputed") if kinds.count(k)}
+        lines.append(f"activations: {len(kinds)} blocks, " + ", ".join(f"{v} {k}" for k, v in counts.items())
+                     + ("; autocast weight copies recast in backward" if plan.hooks else "; no saved-tensor hooks"))
+    if plan.budget is not None:
+        lines.append(f"VRAM: expected peak {plan.expected_peak / GB:.2f} GB against a budget of "
+                     f"{plan.budget / GB:.2f} GB ({plan.reserve / GB:.2f} GB of it kept in reserve)"
+                     + ("" if plan.fits else ": does NOT fit"))
+    else:
+        lines.append(f"VRAM: expected peak {plan.expected_peak / GB:.2f} GB, no budget")
+    lines.append(f"profile: forward {profile.forward_s * 1e3:.1f} ms of compute, backward ~{profile.backward_s * 1e3:.1f} ms, "
+                 f"host AdamW {profile.host_s_per_param * 1e9:.3f} ns/parameter, copies "
+                 f"{profile.d2h_bytes_per_s / GB:.1f}/{profile.h2d_bytes_per_s / GB:.1f} GB/s")
+    terms = ", ".join(f"{k.removesuffix('_s').replace('_', ' ')} {v * 1e3:.1f} ms"
+                      for k, v in plan.step_terms.items() if v > 5e-4)
+    lines.append(f"expected step {plan.expected_step_s * 1e3:.1f} ms ({terms})")
+    if plan.moves:
+        lines.append("savings taken, cheapest first: " + "; ".join(plan.moves[:6])
+                     + (f"; ... {len(plan.moves) - 6} more" if len(plan.moves) > 6 else ""))
+    if names and offloaded:
+        lines.append("offloaded: " + ", ".join(p.name for p in offloaded))
+    return "\n".join(lines)

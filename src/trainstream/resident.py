@@ -1,0 +1,111 @@
+"""AdamW for the parameters the placement keeps whole on the device: gradient and state in VRAM.
+
+On CUDA the update and the gradient norm run as our own kernels (cuda/kernels/device_adamw.cu)
+on the compute stream, with the host engine's arithmetic bit for bit; in CPU mode the host
+engine itself runs over the parameters' own tensors. Either way a parameter ends with the bits it
+would have had offloaded, which is what lets the planner move it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from trainstream._native import _C
+from trainstream.host_adamw import DTYPE_NAMES
+
+
+class PendingNorms:
+    """Squared gradient norms queued on the device; `values()` waits for them."""
+
+    def __init__(self, values=None, host=None, event=None, device=None) -> None:
+        self._values, self._host, self._event = values, host, event
+        self.device = device  # the squares in VRAM (CUDA)
+
+    def values(self) -> list[float]:
+        if self._values is None:
+            self._event.synchronize()
+            self._values = self._host.tolist()
+            self._host = self._event = None
+        return self._values
+
+
+class ResidentAdamW:
+    def __init__(self, device: torch.device, threads: int = 0, isa: str | None = None) -> None:
+        self.device = device
+        self._cuda = device.type == "cuda"
+        self._host = None if self._cuda else _C.HostAdamW(threads, isa)
+
+    @staticmethod
+    def new_state(param: torch.Tensor, accumulation_steps: int) -> dict:
+        """Zeroed moments beside the weights; bf16 weights also get their fp32 master (and, with
+        accumulation, an fp32 sum of the micro-batches, as the host sums them)."""
+        state = {"exp_avg": torch.zeros(param.shape, dtype=torch.float32, device=param.device),
+                 "exp_avg_sq": torch.zeros(param.shape, dtype=torch.float32, device=param.device)}
+        if param.dtype == torch.bfloat16:
+            state["master_param"] = param.detach().float()
+            if accumulation_steps > 1:
+                state["accumulator"] = torch.zeros(param.shape, dtype=torch.float32, device=param.device)
+        return state
+
+    @staticmethod
+    def gradient(param: torch.Tensor, state: dict) -> torch.Tensor | None:
+        """What the update reads: the fp32 sum of micro-batches where there is one, else .grad."""
+        grad = state.get("accumulator", param.grad)
+        return None if grad is None else grad.contiguous()
+
+    def norms(self, grads: list[torch.Tensor]) -> PendingNorms:
+        """The squared norm of each gradient, computed exactly as the host engine computes it."""
+        if not grads:
+            return PendingNorms(values=[])
+        names = [DTYPE_NAMES[g.dtype] for g in grads]
+        if not self._cuda:
+            return PendingNorms(values=[self._host.squared_norm(g.data_ptr(), n, g.numel()) for g, n in zip(grads, names)])
+        numels = [g.numel() for g in grads]
+        scratch = torch.empty(_C.device_norm_scratch(numels), dtype=torch.float64, device=self.device)
+        out = torch.empty(len(grads), dtype=torch.float64, device=self.device)
+        stream = torch.cuda.current_stream(self.device)
+        _C.device_squared_norms(self.device.index, stream.cuda_stream, [g.data_ptr() for g in grads], names,
+                                numels, scratch.data_ptr(), out.data_ptr())
+        host = torch.empty(len(grads), dtype=torch.float64, pin_memory=True)
+        host.copy_(out, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(stream)
+        return PendingNorms(host=host, event=event, device=out)
+
+    def clip_scale(self, norms: PendingNorms, max_norm: float, eps: float) -> torch.Tensor | None:
+        """The clip coefficient of these norms (all of the window's), computed on the device where
+        they are, without waiting for them; None in CPU mode."""
+        if not self._cuda or norms.device is None:
+            return None
+        scale = torch.empty((), dtype=torch.float32, device=self.device)
+        _C.device_clip_scale(self.device.index, torch.cuda.current_stream(self.device).cuda_stream,
+                             norms.device.data_ptr(), norms.device.numel(), float(max_norm), float(eps),
+                             scale.data_ptr())
+        return scale
+
+    def update(self, items: list[tuple[torch.Tensor, torch.Tensor, dict]], hyper: dict,
+               device_scale: torch.Tensor | None = None) -> None:
+        """AdamW over (param, gradient, state) triples that share `hyper` (lr, beta1, beta2, eps,
+        weight_decay, step, grad_scale, maximize), in place, on the current stream; a
+        `device_scale` (clip_scale()) replaces grad_scale."""
+        if not items:
+            return
+        if not self._cuda:
+            for param, grad, state in items:
+                bf16 = param.dtype == torch.bfloat16
+                weights = state["master_param"] if bf16 else param
+                self._host.step(weights.data_ptr(), grad.data_ptr(), DTYPE_NAMES[grad.dtype],
+                                state["exp_avg"].data_ptr(), state["exp_avg_sq"].data_ptr(), param.numel(),
+                                param_bf16=param.data_ptr() if bf16 else 0, **hyper)
+            return
+        weights, bf16_out = [], []
+        for param, _, state in items:
+            bf16 = param.dtype == torch.bfloat16
+            weights.append((state["master_param"] if bf16 else param).data_ptr())
+            bf16_out.append(param.data_ptr() if bf16 else 0)
+        _C.device_adamw_step(
+            self.device.index, torch.cuda.current_stream(self.device).cuda_stream, weights,
+            [g.data_ptr() for _, g, _ in items], [DTYPE_NAMES[g.dtype] for _, g, _ in items],
+            [s["exp_avg"].data_ptr() for _, _, s in items], [s["exp_avg_sq"].data_ptr() for _, _, s in items],
+            bf16_out, [p.numel() for p, _, _ in items],
+            device_scale=device_scale.data_ptr() if device_scale is not None else 0, **hyper)

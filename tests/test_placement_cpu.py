@@ -1,0 +1,363 @@
+"""The placement planner on made-up profiles, and training across placements in CPU mode.
+
+The planner is a pure function: these tests give it profiles of a 1B-like model (an embedding,
+blocks of four matrices, a head) and check what it keeps where. The training tests force
+placements and compare every weight and moment bit for bit: a resident parameter is updated by
+the same arithmetic as an offloaded one, so the placement must never change a bit.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import logging
+
+import pytest
+import torch
+
+import trainstream
+from trainstream import placement as planner
+from tiny_models import TinyLM, param_groups, warmup_cosine
+
+GB = 10**9
+
+
+def made_up_profile(*, blocks: int = 8, acc: int = 1, clipping: bool = False, dtype_bytes: int = 4,
+                    host_ns: float = 0.25, activations: bool = True) -> planner.Profile:
+    """An embedding, `blocks` blocks of four 25M-element matrices, a head: forward 25 ms,
+    backward 50 ms, 1 GB of activations a block."""
+    sizes = [("embed", 65_000_000, -1)]
+    for j in range(blocks):
+        sizes += [(f"blocks.{j}.{k}", 25_000_000, j) for k in ("qkv", "out", "up", "down")]
+    sizes += [("head", 65_000_000, blocks)]
+    n = len(sizes)
+    forward, backward = 0.025, 0.050
+    weights = sum(s for _, s, _ in sizes) * dtype_bytes
+    params = [planner.ParamCost(name, numel, dtype_bytes, block, need_s=forward * i / n,
+                                arrival_s=backward * (n - i) / n, segment_peak=weights + 2 * GB)
+              for i, (name, numel, block) in enumerate(sizes)]
+    block_costs = [planner.BlockCost(GB, GB // 20, forward / blocks, GB // 10) for _ in range(blocks)]
+    return planner.Profile(
+        params=params, blocks=block_costs if activations else [], accumulation_steps=acc, clipping=clipping,
+        forward_s=forward, backward_s=backward, forward_peak=weights + 2 * GB, tail_peak=weights,
+        host_s_per_param=host_ns * 1e-9, d2h_bytes_per_s=50e9, h2d_bytes_per_s=50e9, device_bytes_per_s=3e12,
+        profiled_paged=blocks - 1 if activations else 0, profiled_hooks=activations,
+        outside_cast_bytes=130_000_000 if activations else 0, hook_s=0.001, weight_bytes=weights,
+        fixed_activations=not activations)
+
+
+def test_everything_stays_on_the_gpu_when_it_fits():
+    profile = made_up_profile()
+    plan = planner.plan_placement(profile, 200 * GB)
+    assert plan.fits and plan.resident == len(profile.params)
+    assert not plan.hooks and plan.paged == 0 and plan.recomputed == () and plan.moves == []
+    assert plan.expected_peak <= 200 * GB - plan.reserve
+    assert plan.step_terms["weights_wait_s"] == 0.0
+
+
+def test_a_budget_nothing_fits_in_reports_it_with_the_smallest_placement():
+    profile = made_up_profile()
+    plan = planner.plan_placement(profile, profile.weight_bytes)
+    assert not plan.fits
+    smallest = planner.smallest_plan(profile)
+    assert plan.resident == 0
+    assert planner.peak_bytes(profile, smallest) <= plan.expected_peak
+
+
+def test_tighter_budgets_offload_more_and_the_first_parameters_stay_longest():
+    profile = made_up_profile()
+    everything = planner.peak_bytes(profile, planner.Plan(resident=len(profile.params)))
+    last = len(profile.params) + 1
+    plans = []
+    for budget in [everything * f for f in (1.2, 0.9, 0.8, 0.7, 0.6, 0.5)]:
+        plan = planner.plan_placement(profile, int(budget))
+        plans.append(plan)
+        assert plan.fits, budget
+        assert plan.expected_peak <= int(budget) - plan.reserve
+        assert plan.resident <= last  # monotone: less VRAM never keeps more resident
+        last = plan.resident
+        # params[:resident] resident: the embedding (first in forward order) is the last to leave
+        assert plan.resident == 0 or plan.key()[0] >= 1
+    assert plans[0].resident == len(profile.params) and plans[-1].resident < len(profile.params)
+    # where the budget binds, the greedy choice is as fast as the best placement that offloads a
+    # tail of parameters alone (where it does not, nothing moves: plain PyTorch's placement)
+    compared = 0
+    for plan in plans[1:]:
+        fitting = [planner.step_seconds(profile, planner.Plan(resident=r))[0] for r in range(len(profile.params) + 1)
+                   if planner.peak_bytes(profile, planner.Plan(resident=r)) <= plan.budget - plan.reserve]
+        if fitting:  # (under the tightest budgets only activation moves as well reach it)
+            compared += 1
+            assert plan.expected_step_s <= min(fitting) * 1.02 + 1e-4
+    assert compared >= 2
+
+
+def test_offloading_costs_more_with_clipping_and_more_the_earlier_the_parameters():
+    params = len(made_up_profile().params)
+    for clipping in (False, True):
+        profile = made_up_profile(clipping=clipping)
+        times = [planner.step_seconds(profile, planner.Plan(resident=r))[0] for r in (params - 1, params // 2, 0)]
+        assert times == sorted(times)  # the head's update hides best; the embedding's not at all
+    no_clip = planner.step_seconds(made_up_profile(), planner.Plan(resident=0))[0]
+    clip = planner.step_seconds(made_up_profile(clipping=True), planner.Plan(resident=0))[0]
+    assert clip > no_clip  # every host update waits for the global norm
+
+
+def test_with_accumulation_sums_stay_in_vram_until_the_budget_needs_them_on_the_host():
+    profile = made_up_profile(acc=8)
+    n = len(profile.params)
+    everything = planner.peak_bytes(profile, planner.Plan(resident=n))
+    roomy = planner.plan_placement(profile, int(0.8 * everything))
+    assert roomy.resident < n and roomy.vram_sums == n - roomy.resident  # offloaded, summed in VRAM
+    tight = planner.plan_placement(profile, int(0.35 * everything))
+    assert tight.fits and tight.vram_sums < n - tight.resident
+    slow = planner.step_seconds(profile, planner.Plan(resident=0, vram_sums=0))[0]
+    fast = planner.step_seconds(profile, planner.Plan(resident=0, vram_sums=n))[0]
+    assert slow > fast  # host sums cross PCIe every micro-batch
+
+
+def test_resident_gradients_count_only_once_they_have_arrived():
+    profile = made_up_profile(activations=False)
+    n = len(profile.params)
+    # the embedding's gradient arrives last: keeping only it resident adds its state, and its
+    # gradient only to the tail of the step
+    embed = profile.params[0]
+    grad = planner.resident_grad_bytes(embed, 1)
+    base = planner.peak_bytes(profile, planner.Plan(resident=0))
+    one = planner.peak_bytes(profile, planner.Plan(resident=1))
+    assert one - base == planner.state_bytes(embed, 1)
+    acc_profile = made_up_profile(activations=False, acc=4)
+    assert (planner.peak_bytes(acc_profile, planner.Plan(resident=1)) - planner.peak_bytes(acc_profile, planner.Plan(resident=0))
+            == planner.state_bytes(embed, 4) + grad)  # with accumulation it lives through every forward
+    assert planner.peak_bytes(profile, planner.Plan(resident=n)) > one
+
+
+def test_bf16_weights_count_their_fp32_master_and_sum():
+    p = planner.ParamCost("w", 1000, 2, 0, 0.0, 0.0, 0)
+    assert planner.state_bytes(p, 1) == 12_000 and planner.state_bytes(p, 4) == 16_000
+    assert planner.resident_grad_bytes(p, 1) == 2000 and planner.resident_grad_bytes(p, 4) == 0
+
+
+def test_activation_moves_are_taken_where_they_cost_least_per_gb():
+    # A slow host makes offloading dear: the planner recomputes or pages blocks first.
+    profile = made_up_profile(host_ns=20.0, clipping=True)
+    n = len(profile.params)
+    everything = planner.peak_bytes(profile, planner.Plan(resident=n))
+    plan = planner.plan_placement(profile, int(everything - 3 * GB))
+    assert plan.fits and plan.hooks and plan.resident == n
+    assert plan.recomputed or plan.paged
+    # A fast host and no clipping: offloading the last parameters hides behind backward.
+    cheap = planner.plan_placement(made_up_profile(host_ns=0.05), int(everything - 1 * GB))
+    assert cheap.fits and cheap.resident < n
+
+
+def test_fixed_activations_leave_the_blocks_alone_and_ties_are_deterministic():
+    profile = made_up_profile(activations=False)
+    n = len(profile.params)
+    everything = planner.peak_bytes(profile, planner.Plan(resident=n))
+    a = planner.plan_placement(profile, int(0.7 * everything))
+    b = planner.plan_placement(copy.deepcopy(profile), int(0.7 * everything))
+    assert a.key() == b.key() and a.moves == b.moves
+    assert not a.hooks and a.paged == 0 and a.recomputed == ()
+
+
+def test_describe_names_what_lives_where():
+    profile = made_up_profile(acc=4)
+    plan = planner.plan_placement(profile, 12 * GB)
+    text = planner.describe(plan, profile, names=True)
+    assert "keep gradient and AdamW state in VRAM" in text and "offloaded" in text
+    assert "budget of 12.00 GB" in text and "blocks" in text
+    assert "head" in text  # the first parameter to leave
+
+
+def test_clean_forward_takes_the_waits_between_blocks_out():
+    from trainstream.profiler import clean_forward
+
+    # an embedding until 1.0, blocks of 2.0 each with waits of 5.0 before blocks 1 and 2, a head
+    blocks = [(1.0, 3.0), (8.0, 10.0), (15.0, 17.0)]
+    need = [0.0, 1.5, 9.0, 12.0, 16.0, 17.5]
+    cleaned, forward = clean_forward(need, 18.0, blocks)
+    assert cleaned == [0.0, 1.5, 4.0, 5.0, 6.0, 7.5]  # 12.0 was a wait: the end of block 1
+    assert forward == 8.0
+    assert clean_forward(need, 18.0, []) == (need, 18.0)
+
+
+# ----------------------------------------------------------------------- CPU training
+def batches(steps: int, acc: int, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return [[torch.randint(0, 97, (4, 17), generator=g) for _ in range(acc)] for _ in range(steps)]
+
+
+def make(dtype=torch.float32):
+    torch.manual_seed(0)
+    model = TinyLM().to(dtype)
+    for p in model.blocks[0].parameters():  # frozen parameters stay out of every placement
+        p.requires_grad_(False)
+    return model, torch.optim.AdamW(param_groups(model), lr=3e-3, betas=(0.9, 0.95))
+
+
+def train(model, opt, data, clip, autocast=False):
+    sched = warmup_cosine(opt, 3, len(data))
+    norms = []
+    for micro_batches in data:
+        for tokens in micro_batches:
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                loss = model.loss(tokens) / len(micro_batches)
+            loss.backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        norms.append(opt.last_grad_norm)
+    opt.synchronize()
+    return norms
+
+
+def assert_same_bits(a, a_opt, b, b_opt, what):
+    for (n, p), q in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(p, q), (what, n)
+        if p.requires_grad:
+            for key in ("exp_avg", "exp_avg_sq", "master_param"):
+                if key in a_opt.state[p]:
+                    assert torch.equal(a_opt.state[p][key].cpu(), b_opt.state[q][key].cpu()), (what, n, key)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("acc,clip,autocast", [(1, None, False), (4, 1.0, False), (1, 1.0, True)],
+                         ids=["plain", "clip+acc4", "clip+autocast"])
+def test_every_placement_trains_the_same_bits(dtype, acc, clip, autocast):
+    # under autocast an offloaded fp32 weight's gradient crosses as bf16: with clipping, the
+    # update queued at step() reads it from host memory after its norm has
+    data = batches(8, acc)
+    runs = {}
+    for placement in ("offload", "gpu", 0.5, "auto"):
+        model, opt = make(dtype)
+        model, opt = trainstream.wrap(model, opt, max_grad_norm=clip, accumulation_steps=acc, placement=placement,
+                                      track_grad_norm=True)
+        norms = train(model, opt, data, clip, autocast)
+        runs[placement] = model, opt, norms
+    ref, ref_opt, ref_norms = runs["offload"]
+    assert ref_opt.report()["placement"]["resident_params"] == 0
+    for placement in ("gpu", 0.5, "auto"):
+        model, opt, norms = runs[placement]
+        assert norms == ref_norms, placement  # the global norm has the same bits too
+        assert_same_bits(model, opt, ref, ref_opt, placement)
+    half = runs[0.5][1].report()["placement"]
+    assert 0 < half["resident_params"] < len(half["params"])
+    if clip is not None:
+        assert max(ref_norms[:3]) > clip  # clipping was active
+
+
+def test_auto_placement_under_a_budget_mixes_and_trains_the_same_bits():
+    data = batches(6, 2)
+    model, opt = make()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    weights = sum(p.numel() * 4 for p in model.parameters())
+    # room for the weights and the gradient and state (12 bytes) of about half the parameters
+    budget = int((weights + 6 * sum(p.numel() for p in trainable)) / 0.9)
+    model, opt = trainstream.wrap(model, opt, max_grad_norm=1.0, accumulation_steps=2, vram_budget=budget)
+    report = opt.report()["placement"]
+    assert report["state"] == "profiling" and report["resident_params"] == 0
+    norms = train(model, opt, data, 1.0)
+    report = opt.report()["placement"]
+    assert report["state"] == "planned"
+    assert 0 < report["resident_params"] < len(trainable)
+    assert report["expected_peak_bytes"] <= budget - report["reserve_bytes"]
+    assert [p["gradient"] for p in report["params"]][:report["resident_params"]] == ["vram"] * report["resident_params"]
+    ref, ref_opt = make()
+    ref, ref_opt = trainstream.wrap(ref, ref_opt, max_grad_norm=1.0, accumulation_steps=2, placement="offload",
+                                    track_grad_norm=True)
+    assert train(ref, ref_opt, data, 1.0) == norms
+    assert_same_bits(model, opt, ref, ref_opt, "auto under a budget")
+    assert "VRAM" in opt.describe()
+
+
+def test_a_budget_the_activations_must_meet_pages_or_recomputes_and_trains_the_same_bits():
+    """The planner's activation choices (saved-tensor hooks, paged and recomputed blocks, and
+    with them gradients no longer sent as bf16) carried out from the third step, under autocast
+    with clipping: the bits of an all-offloaded run with its own paging."""
+    g = torch.Generator().manual_seed(1)
+    data = [[torch.randint(0, 97, (16, 65), generator=g)] for _ in range(5)]  # activations of 2 MiB
+
+    def big():
+        torch.manual_seed(0)
+        model = TinyLM(dim=512, layers=3, seq=64)
+        return model, torch.optim.AdamW(param_groups(model), lr=3e-3, betas=(0.9, 0.95))
+
+    model, opt = big()
+    weights = sum(p.numel() * 4 for p in model.parameters())
+    budget = int(weights / 0.88)  # the weights and hardly anything else: activations must go
+    model, opt = trainstream.wrap(model, opt, max_grad_norm=1.0, vram_budget=budget)
+    assert opt.activation_pager is not None and opt.activation_pager.deferred
+    norms = train(model, opt, data, 1.0, autocast=True)
+    report = opt.report()["placement"]
+    print(opt.describe())
+    assert report["state"] == "planned" and report["saved_tensor_hooks"]
+    assert {"paged", "recomputed"} & set(report["blocks"])
+    ref, ref_opt = big()
+    ref, ref_opt = trainstream.wrap(ref, ref_opt, max_grad_norm=1.0, placement="offload", track_grad_norm=True)
+    assert train(ref, ref_opt, data, 1.0, autocast=True) == norms
+    assert_same_bits(model, opt, ref, ref_opt, "planned activations")
+
+
+def test_the_plan_is_logged_once(caplog):
+    model, opt = make()
+    model, opt = trainstream.wrap(model, opt)
+    with caplog.at_level(logging.INFO, logger="trainstream"):
+        train(model, opt, batches(5, 1), None)
+    plans = [r for r in caplog.records if "placement:" in r.getMessage()]
+    assert len(plans) == 1
+
+
+@pytest.mark.parametrize("save,load", [("gpu", "offload"), ("offload", 0.5), (0.5, "gpu")])
+def test_a_checkpoint_loads_into_another_placement(save, load):
+    data = batches(8, 1)
+    model, opt = make(torch.bfloat16)
+    model, opt = trainstream.wrap(model, opt, placement=save)
+    train(model, opt, data[:4], None)
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+    train(model, opt, data[4:], None)
+    buf.seek(0)
+    ckpt = torch.load(buf)
+    resumed, ropt = make(torch.bfloat16)
+    resumed, ropt = trainstream.wrap(resumed, ropt, placement=load)
+    resumed.load_state_dict(ckpt["model"])
+    ropt.load_state_dict(ckpt["opt"])
+    train(resumed, ropt, data[4:], None)
+    assert_same_bits(model, opt, resumed, ropt, f"{save} -> {load}")
+    assert set(ropt.state_dict()["state"][0]) >= {"step", "exp_avg", "exp_avg_sq", "master_param"}
+
+
+def test_a_torch_adamw_checkpoint_loads_into_a_resident_placement():
+    data = batches(8, 1)
+    ref, ref_opt = make()
+    for (tokens,) in data[:4]:
+        ref.loss(tokens).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    ckpt = copy.deepcopy({"model": ref.state_dict(), "opt": ref_opt.state_dict()})
+    for (tokens,) in data[4:]:
+        ref.loss(tokens).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    model, opt = make()
+    model, opt = trainstream.wrap(model, opt, placement="gpu")
+    model.load_state_dict(ckpt["model"])
+    opt.load_state_dict(ckpt["opt"])
+    for (tokens,) in data[4:]:
+        model.loss(tokens).backward()
+        opt.step()
+        opt.zero_grad()
+    assert max((a - b).abs().max().item() for a, b in zip(ref.parameters(), model.parameters())) <= 3e-7
+
+
+def test_weights_over_the_budget_are_refused_at_wrap():
+    model, opt = make()
+    with pytest.raises(trainstream.VramBudgetError, match="weights alone"):
+        trainstream.wrap(model, opt, vram_budget=1000)
+
+
+def test_bad_placements_are_refused():
+    for bad in ("everywhere", 1.5, -0.1, True):
+        model, opt = make()
+        with pytest.raises(ValueError, match="placement"):
+            trainstream.wrap(model, opt, placement=bad)
