@@ -45,6 +45,14 @@ def wrapped_by(param: torch.nn.Parameter):
     return owner() if param_ref is not None and param_ref() is param else None
 
 
+def resident_at_start(placement: str | float, count: int) -> int:
+    """How many of `count` trainable parameters (the first in forward order) a placement keeps
+    resident from the start: "gpu" all, a share that share, "auto" and "offload" none."""
+    if isinstance(placement, float):
+        return round(placement * count)
+    return count if placement == "gpu" else 0
+
+
 def _forget_dead_owners() -> None:
     for key in [k for k, (p, o) in _OWNERS.items() if p() is None or o() is None]:
         del _OWNERS[key]
@@ -139,10 +147,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
                 if p.requires_grad and id(p) not in seen:
                     seen.add(id(p))
                     trainable.append((p, group))
-        if isinstance(self._placement, float):
-            resident_count = round(self._placement * len(trainable))
-        else:
-            resident_count = len(trainable) if self._placement == "gpu" else 0
+        resident_count = resident_at_start(self._placement, len(trainable))
         # host accumulators: for every parameter that may sum its micro-batches on the host
         host_sums = acc > 1 and self._vram_sums is not True
         for i, (p, group) in enumerate(trainable):

@@ -8,7 +8,7 @@ from trainstream._native import _C, require_cuda_build
 from trainstream.activations import ActivationPager, parse_bytes
 from trainstream.errors import (UnsupportedSetupError, VramBudgetError, check_not_distributed, check_optimizer,
                                 check_weight_dtype)
-from trainstream.optimizer import OffloadedAdamW, wrapped_by
+from trainstream.optimizer import OffloadedAdamW, resident_at_start, wrapped_by
 from trainstream.placement import reserve_for
 
 _GIB = 1 << 30
@@ -134,9 +134,7 @@ def wrap(
         raise TypeError(f"recompute must be True or False, got {recompute!r}")
     host_accumulator = accumulation_steps > 1 and accumulate_in_vram is not True
     unique = list({id(p): p for p in trainable}.values())
-    offloaded = unique[round(placement * len(unique)):] if isinstance(placement, float) else (
-        [] if placement == "gpu" else unique)
-    _check_host_memory(offloaded, host_accumulator)
+    _check_host_memory(unique[resident_at_start(placement, len(unique)):], host_accumulator)
     auto = placement == "auto"
     budget = None if vram_budget is None else parse_bytes(vram_budget)
     if device.type == "cuda":
