@@ -76,8 +76,6 @@ def test_tighter_budgets_offload_more_and_the_first_parameters_stay_longest():
         assert plan.expected_peak <= int(budget) - plan.reserve
         assert plan.resident <= last  # monotone: less VRAM never keeps more resident
         last = plan.resident
-        # params[:resident] resident: the embedding (first in forward order) is the last to leave
-        assert plan.resident == 0 or plan.key()[0] >= 1
     assert plans[0].resident == len(profile.params) and plans[-1].resident < len(profile.params)
     # where the budget binds, the greedy choice is as fast as the best placement that offloads a
     # tail of parameters alone (where it does not, nothing moves: plain PyTorch's placement)

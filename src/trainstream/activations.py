@@ -503,11 +503,6 @@ class ActivationPager:
                 f"recomputed and keeps its activations on the device. For training a Hugging Face model, "
                 f"call it with use_cache=False or set model.config.use_cache = False.", stacklevel=3)
 
-    @property
-    def awaiting_plan(self) -> bool:
-        """Profiled, and waiting for the placement planner (deferred mode)."""
-        return self.deferred and self.profile is not None and self.plan is None
-
     def finish_profile(self) -> bool:
         """Ends a finished profiling step now rather than at the next forward; False if none has run."""
         if self._profiling and self._timed:
