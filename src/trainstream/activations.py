@@ -503,11 +503,10 @@ class ActivationPager:
                 f"recomputed and keeps its activations on the device. For training a Hugging Face model, "
                 f"call it with use_cache=False or set model.config.use_cache = False.", stacklevel=3)
 
-    def finish_profile(self) -> bool:
-        """Ends a finished profiling step now rather than at the next forward; False if none has run."""
+    def finish_profile(self) -> None:
+        """Ends a finished profiling step now rather than at the next forward."""
         if self._profiling and self._timed:
             self._finish_profile()
-        return self.profile is not None
 
     def apply(self, paged: int, recomputed: tuple[int, ...], reason: str) -> None:
         """Pages blocks 0 .. paged-1 and recomputes `recomputed` from now on (the planner's choice)."""
