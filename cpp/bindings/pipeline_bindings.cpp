@@ -17,7 +17,8 @@ struct HostView {
 
 GradJob make_job(bool accumulate, bool overwrite, bool from_accumulator, bool norm, bool update,
                  double lr, double beta1, double beta2, double eps, double weight_decay,
-                 std::int64_t step, double grad_scale, bool maximize, std::uintptr_t device_weight) {
+                 std::int64_t step, double grad_scale, bool maximize, std::uintptr_t device_weight,
+                 bool speculate, bool commit) {
   GradJob job;
   job.accumulate = accumulate;
   job.overwrite = overwrite;
@@ -26,7 +27,9 @@ GradJob make_job(bool accumulate, bool overwrite, bool from_accumulator, bool no
   job.update = update;
   job.hyper = AdamWHyper{lr, beta1, beta2, eps, weight_decay, step, grad_scale, maximize};
   job.device_weight = device_weight;
-  if (update) adamw_coeffs(job.hyper);  // reject bad hyperparameters here, not in the worker
+  job.speculate = speculate;
+  job.commit = commit;
+  if (update || commit) adamw_coeffs(job.hyper);  // reject bad hyperparameters here, not in the worker
   return job;
 }
 
@@ -63,8 +66,13 @@ void bind_pipeline(py::module_& m) {
         if (name == "exp_avg_sq") return HostView{p, p->exp_avg_sq, 4 * p->numel};
         if (name == "grad") return HostView{p, p->grad, p->weight_bytes()};
         if (name == "accumulator" && p->accumulator) return HostView{p, p->accumulator, 4 * p->numel};
+        if (name == "next_exp_avg" && p->next_exp_avg) return HostView{p, p->next_exp_avg, 4 * p->numel};
+        if (name == "next_exp_avg_sq" && p->next_exp_avg_sq) return HostView{p, p->next_exp_avg_sq, 4 * p->numel};
+        if (name == "next_master" && p->next_master) return HostView{p, p->next_master, 4 * p->numel};
         throw std::invalid_argument("HostParam has no buffer '" + name + "'");
-      }, py::arg("name"), "Bytes of one buffer: master, exp_avg, exp_avg_sq, grad or accumulator.");
+      }, py::arg("name"),
+      "Bytes of one buffer: master, exp_avg, exp_avg_sq, grad, accumulator, or (with speculation) "
+      "next_exp_avg, next_exp_avg_sq, next_master. A commit swaps each next_ buffer with its twin.");
 
   py::class_<OffloadPipeline>(m, "OffloadPipeline")
       .def_property_readonly("isa", [](OffloadPipeline& o) { return std::string(isa_name(o.engine().isa())); })
@@ -111,9 +119,10 @@ void bind_pipeline(py::module_& m) {
            [](OffloadPipeline& o, const std::shared_ptr<HostParam>& p, std::uintptr_t grad, std::uintptr_t stream,
               bool accumulate, bool overwrite, bool from_accumulator, bool norm, bool update, double lr,
               double beta1, double beta2, double eps, double weight_decay, std::int64_t step,
-              double grad_scale, bool maximize, std::uintptr_t device_weight) {
+              double grad_scale, bool maximize, std::uintptr_t device_weight, bool speculate) {
              const GradJob job = make_job(accumulate, overwrite, from_accumulator, norm, update, lr, beta1,
-                                          beta2, eps, weight_decay, step, grad_scale, maximize, device_weight);
+                                          beta2, eps, weight_decay, step, grad_scale, maximize, device_weight,
+                                          speculate, false);
              py::gil_scoped_release release;
              o.land_gradient(p, grad, stream, job);
            },
@@ -122,20 +131,39 @@ void bind_pipeline(py::module_& m) {
            py::arg("norm") = false, py::arg("update") = false, py::arg("lr") = 0.0, py::arg("beta1") = 0.9,
            py::arg("beta2") = 0.999, py::arg("eps") = 1e-8, py::arg("weight_decay") = 0.0,
            py::arg("step") = 1, py::arg("grad_scale") = 1.0, py::arg("maximize") = false,
-           py::arg("device_weight") = 0)
+           py::arg("device_weight") = 0, py::arg("speculate") = false)
       .def("submit",
            [](OffloadPipeline& o, const std::shared_ptr<HostParam>& p, bool from_accumulator, bool norm,
               bool update, double lr, double beta1, double beta2, double eps, double weight_decay,
-              std::int64_t step, double grad_scale, bool maximize, std::uintptr_t device_weight) {
+              std::int64_t step, double grad_scale, bool maximize, std::uintptr_t device_weight,
+              bool speculate, bool commit) {
              const GradJob job = make_job(false, false, from_accumulator, norm, update, lr, beta1, beta2, eps,
-                                          weight_decay, step, grad_scale, maximize, device_weight);
+                                          weight_decay, step, grad_scale, maximize, device_weight, speculate,
+                                          commit);
              py::gil_scoped_release release;
              o.submit(p, job);
            },
            py::arg("param"), py::kw_only(), py::arg("from_accumulator") = false, py::arg("norm") = false,
            py::arg("update") = false, py::arg("lr") = 0.0, py::arg("beta1") = 0.9, py::arg("beta2") = 0.999,
            py::arg("eps") = 1e-8, py::arg("weight_decay") = 0.0, py::arg("step") = 1,
-           py::arg("grad_scale") = 1.0, py::arg("maximize") = false, py::arg("device_weight") = 0)
+           py::arg("grad_scale") = 1.0, py::arg("maximize") = false, py::arg("device_weight") = 0,
+           py::arg("speculate") = false, py::arg("commit") = false)
+      .def("enable_speculation", [](OffloadPipeline& o, HostParam& p) {
+             py::gil_scoped_release release;
+             return o.enable_speculation(p);
+           }, py::arg("param"), "Next-state buffers for speculative updates; returns the host bytes taken.")
+      .def_static("speculation_bytes", [](std::size_t numel, const std::string& dtype) {
+             return OffloadPipeline::speculation_bytes(numel, parse_dtype(dtype));
+           }, py::arg("numel"), py::arg("weight_dtype"))
+      .def("abandon_speculation", [](OffloadPipeline& o) {
+             py::gil_scoped_release release;
+             return o.abandon_speculation();
+           }, "Drops what is left of every queued speculative update; returns how many it cut short.")
+      .def("wait", [](OffloadPipeline& o, const std::vector<std::shared_ptr<HostParam>>& params) {
+             const std::vector<HostParam*> raw = raw_pointers(params);
+             py::gil_scoped_release release;
+             o.wait(raw);
+           }, py::arg("params"), "Waits (on the host) for the parameters' queued jobs.")
       .def("gate", [](OffloadPipeline& o, const std::vector<std::shared_ptr<HostParam>>& params, std::uintptr_t stream) {
              const std::vector<HostParam*> raw = raw_pointers(params);
              py::gil_scoped_release release;

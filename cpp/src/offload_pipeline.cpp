@@ -167,9 +167,70 @@ void OffloadPipeline::land_gradient(const std::shared_ptr<HostParam>& p, std::ui
 
 void OffloadPipeline::submit(const std::shared_ptr<HostParam>& p, const GradJob& job) { enqueue(p, job); }
 
+std::size_t OffloadPipeline::speculation_bytes(std::size_t numel, DType weight_dtype) {
+  const auto rounded = [](std::size_t bytes) {
+    return (bytes + HostArena::kAlignment - 1) / HostArena::kAlignment * HostArena::kAlignment;
+  };
+  std::size_t bytes = 2 * rounded(4 * numel);
+  if (weight_dtype == DType::bfloat16) bytes += rounded(4 * numel) + rounded(2 * numel);
+  return bytes;
+}
+
+std::size_t OffloadPipeline::enable_speculation(HostParam& p) {
+  {
+    std::unique_lock<std::mutex> lock(mutex_);
+    wait_idle(p, lock);  // no job may be reading the pointers set below
+    if (p.next_exp_avg) return 0;
+  }
+  const auto touched = [&](std::size_t bytes) {
+    void* block = spare_.allocate(bytes);
+    std::memset(block, 0, bytes);
+    return static_cast<float*>(block);
+  };
+  float* m = touched(4 * p.numel);
+  float* v = touched(4 * p.numel);
+  float* master = nullptr;
+  std::uint16_t* bf16 = nullptr;
+  if (p.weight_dtype == DType::bfloat16) {
+    master = touched(4 * p.numel);
+    bf16 = static_cast<std::uint16_t*>(transfer_->arena().allocate(2 * p.numel));
+  }
+  std::lock_guard<std::mutex> lock(mutex_);
+  p.next_exp_avg = m;
+  p.next_exp_avg_sq = v;
+  p.next_master = master;
+  p.next_bf16 = bf16;
+  return speculation_bytes(p.numel, p.weight_dtype);
+}
+
+std::size_t OffloadPipeline::abandon_speculation() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::size_t cut = 0;
+  for (auto* tasks : {&queue_, &running_}) {
+    for (auto& t : *tasks) {
+      if (t->job.speculate && !t->skip) {
+        t->skip = true;
+        ++cut;
+      }
+    }
+  }
+  return cut;
+}
+
+void OffloadPipeline::wait(const std::vector<HostParam*>& params) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  for (HostParam* p : params) wait_idle(*p, lock);
+}
+
 void OffloadPipeline::check_accumulator(const HostParam& p, const GradJob& job) {
   TS_EXPECTS(!(job.accumulate || job.from_accumulator) || p.accumulator,
              "OffloadPipeline: accumulation requested for a parameter without an accumulator");
+  TS_EXPECTS(!(job.speculate || job.commit) || p.next_exp_avg,
+             "OffloadPipeline: speculation requested for a parameter without next-state buffers "
+             "(enable_speculation)");
+  TS_EXPECTS(!job.speculate || job.update, "OffloadPipeline: a speculative job must be an update");
+  TS_EXPECTS(!job.commit || !(job.accumulate || job.norm || job.update),
+             "OffloadPipeline: a commit does nothing but commit");
 }
 
 void OffloadPipeline::enqueue(const std::shared_ptr<HostParam>& p, const GradJob& job, bool landing, bool packed) {
@@ -223,7 +284,7 @@ std::unique_ptr<OffloadPipeline::Task> OffloadPipeline::pick_locked() {
 void OffloadPipeline::start(Task& task) {
   HostParam& p = *task.param;
   const GradJob& job = task.job;
-  task.skip = error_ != nullptr;  // after a failure, jobs are drained unrun
+  if (error_) task.skip = true;  // after a failure, jobs are drained unrun (as are abandoned ones)
   if (task.landing) {  // this job's own download: what it wrote, for this job and the later ones
     p.landing_dtype_ = p.weight_dtype;
     if (task.packed) {
@@ -240,6 +301,15 @@ void OffloadPipeline::start(Task& task) {
   task.grad_dtype = job.from_accumulator ? DType::float32 : task.landed;
   task.chunk = chunk_elements(p.numel, workers_.size());  // whole norm blocks
   const bool elementwise = job.accumulate || job.norm || job.update;
+  const bool fp32_term = upload_terms_ && p.weight_dtype == DType::float32 && job.device_weight != 0;
+  if (job.commit && !task.skip) {
+    // The speculative update before it (this parameter's jobs run in order) has finished.
+    std::swap(p.exp_avg, p.next_exp_avg);
+    std::swap(p.exp_avg_sq, p.next_exp_avg_sq);
+    if (p.weight_dtype == DType::bfloat16) std::swap(p.master, p.next_master);
+    task.buffers.term_only = fp32_term;
+    task.coeffs = adamw_coeffs(job.hyper);  // validated when the job was made
+  }
   task.chunks = elementwise ? (p.numel + task.chunk - 1) / task.chunk : 1;
   if (job.norm) task.partial.assign((p.numel + kNormBlock - 1) / kNormBlock, 0.0);
   if (job.update && !task.skip) {
@@ -249,12 +319,25 @@ void OffloadPipeline::start(Task& task) {
     b.grad_dtype = task.grad_dtype;
     b.exp_avg = p.exp_avg;
     b.exp_avg_sq = p.exp_avg_sq;
+    const bool bf16 = p.weight_dtype == DType::bfloat16;
     // bf16 weights go back up from the landing buffer, written by the kernel as it updates.
-    b.param_bf16 = p.weight_dtype == DType::bfloat16 ? static_cast<std::uint16_t*>(p.grad) : nullptr;
+    b.param_bf16 = bf16 ? static_cast<std::uint16_t*>(p.grad) : nullptr;
     b.numel = p.numel;
     // fp32 weights: the master buffer receives the update term, and the device applies it.
-    b.term_only = upload_terms_ && p.weight_dtype == DType::float32 && job.device_weight != 0;
+    b.term_only = fp32_term;
+    if (job.speculate) {
+      // The term is no state (the device holds the weights), so it may be written over; the
+      // moments and a bf16 master may not, nor the landing buffer (a redo reads the gradient).
+      b.exp_avg_out = p.next_exp_avg;
+      b.exp_avg_sq_out = p.next_exp_avg_sq;
+      if (bf16) {
+        b.param_out = p.next_master;
+        b.param_bf16 = p.next_bf16;
+      }
+    }
     try {
+      TS_EXPECTS(!job.speculate || b.term_only || bf16,
+                 "OffloadPipeline: fp32 weights speculate only with upload_terms (their master is state)");
       validate_buffers(b);
       task.coeffs = adamw_coeffs(job.hyper);
     } catch (...) {
@@ -307,12 +390,13 @@ void OffloadPipeline::finish(Task& task) {
     for (double s : task.partial) total += s;
     p.squared_norm = total;
   }
-  if (task.job.device_weight == 0) return;
+  if (task.job.device_weight == 0 || task.job.speculate) return;  // a speculation uploads at its commit
   void* device = reinterpret_cast<void*>(task.job.device_weight);
   if (task.buffers.term_only) {
     transfer_->upload_update(*p.slot_, static_cast<float*>(device), p.master, p.numel, task.coeffs.decay);
   } else {
-    const void* src = p.weight_dtype == DType::bfloat16 ? p.grad : static_cast<const void*>(p.master);
+    const void* bf16 = task.job.commit ? static_cast<const void*>(p.next_bf16) : p.grad;
+    const void* src = p.weight_dtype == DType::bfloat16 ? bf16 : static_cast<const void*>(p.master);
     transfer_->upload(*p.slot_, device, src, p.weight_bytes());
   }
 }

@@ -300,6 +300,57 @@ TEST_CASE("term_only writes the term that weight * decay + term turns into the u
   CHECK_THROWS_AS(validate_buffers(b), std::invalid_argument);  // bf16 weights need the master
 }
 
+TEST_CASE("out-of-place outputs get the in-place results and leave the inputs untouched") {
+  const std::size_t n = 300;
+  const std::size_t ranges[][2] = {{0, 1}, {5, 21}, {16, 288}, {17, 299}, {0, 300}};
+  for (Isa isa : {Isa::scalar, Isa::avx2, Isa::avx512}) {
+    if (!isa_supported(isa)) {
+      skip(std::string(isa_name(isa)) + " out of place", "this CPU lacks it");
+      continue;
+    }
+    for (DType dtype : {DType::float32, DType::bfloat16}) {
+      for (bool bf16_weights : {false, true}) {
+        for (const auto& r : ranges) {
+          State in_place(n, 17), inputs(n, 17), out(n, 3);
+          const State before(n, 17);
+          const AdamWCoeffs c = adamw_coeffs(hyper_for(variants()[0], 3));
+          adamw_kernel(isa)(in_place.buffers(dtype, bf16_weights), c, r[0], r[1]);
+          // Outputs on cache-line boundaries, as the pipeline's are: the vector kernels stream there.
+          std::vector<float> raw(3 * (n + 16));
+          float* aligned = raw.data();
+          while (reinterpret_cast<std::uintptr_t>(aligned) % 64) ++aligned;
+          float* outs[3] = {aligned, aligned + (n + 16), aligned + 2 * (n + 16)};
+          AdamWBuffers b = inputs.buffers(dtype, bf16_weights);
+          b.exp_avg_out = outs[0];
+          b.exp_avg_sq_out = outs[1];
+          b.param_out = outs[2];
+          if (bf16_weights) b.param_bf16 = out.out16.data();
+          validate_buffers(b);
+          adamw_kernel(isa)(b, c, r[0], r[1]);
+          bool ok = inputs.param == before.param && inputs.exp_avg == before.exp_avg &&
+                    inputs.exp_avg_sq == before.exp_avg_sq;
+          for (std::size_t i = r[0]; i < r[1] && ok; ++i) {
+            ok = bits_of(outs[2][i]) == bits_of(in_place.param[i]) &&
+                 bits_of(outs[0][i]) == bits_of(in_place.exp_avg[i]) &&
+                 bits_of(outs[1][i]) == bits_of(in_place.exp_avg_sq[i]) &&
+                 (!bf16_weights || out.out16[i] == in_place.out16[i]);
+          }
+          if (!ok) std::fprintf(stderr, "  %s out of place [%zu, %zu): wrong\n", isa_name(isa), r[0], r[1]);
+          CHECK(ok);
+        }
+      }
+    }
+  }
+  State s(16, 5), o(16, 6);
+  AdamWBuffers b = s.buffers(DType::float32, false);
+  b.exp_avg_out = s.exp_avg_sq.data();  // overlaps an input
+  CHECK_THROWS_AS(validate_buffers(b), std::invalid_argument);
+  b = s.buffers(DType::float32, false);
+  b.term_only = true;
+  b.param_out = o.param.data();  // the term goes to param
+  CHECK_THROWS_AS(validate_buffers(b), std::invalid_argument);
+}
+
 TEST_CASE("bf16 output equals float_to_bf16 of the fp32 result, for any bit pattern in any lane") {
   // lr = 0 and no weight decay leave every weight as it was (x * 1 + (-0 * m) / denom), so
   // the weights can be arbitrary bit patterns: NaNs, infinities, rounding ties, denormals.

@@ -744,3 +744,127 @@ TEST_CASE("bf16-exact fp32 gradients land as bf16 and update bit-identically; ot
 }
 
 TS_TEST_MAIN
+
+// ------------------------------------------------------------------------------- speculation
+
+TEST_CASE("a speculative update commits the waiting path's bits, or is redone from untouched state") {
+  const std::size_t n = 9000;  // several chunks and a ragged tail
+  for (DType dtype : {DType::float32, DType::bfloat16}) {
+    // Rig 0 waits for the clip coefficient; rig 1 speculates with 1 and commits or redoes.
+    Rig waiting(std::size_t(1) << 30, true, 3), speculating(std::size_t(1) << 30, true, 3);
+    Rig* rigs[2] = {&waiting, &speculating};
+    std::vector<std::vector<unsigned char>> weights;
+    std::vector<std::shared_ptr<HostParam>> params;
+    for (Rig* rig : rigs) {
+      weights.push_back(device_buffer(dtype, n, grad_value, 99));
+      params.push_back(rig->pipeline->add_param(n, dtype, false));
+      rig->pipeline->load_weights(*params.back(), addr(weights.back().data()), 0);
+    }
+    CHECK(speculating.pipeline->enable_speculation(*params[1]) == OffloadPipeline::speculation_bytes(n, dtype));
+    CHECK(speculating.pipeline->enable_speculation(*params[1]) == 0);  // once
+    const double scales[] = {1.0, 0.25, 1.0, 1.0, 0.5};  // hit, miss, hit, hit, miss
+    for (int step = 1; step <= 5; ++step) {
+      const double scale = scales[step - 1];
+      auto grad = device_buffer(dtype, n, grad_value, step);
+      GradJob job = update_job(addr(weights[0].data()));
+      job.hyper.step = step;
+      job.hyper.weight_decay = 0.1;
+      job.hyper.grad_scale = scale;
+      waiting.pipeline->land_gradient(params[0], addr(grad.data()), 0, job);
+      waiting.transfer->land_all();
+      waiting.pipeline->synchronize();
+
+      const std::vector<float> m0(params[1]->exp_avg, params[1]->exp_avg + n);
+      const std::vector<float> v0(params[1]->exp_avg_sq, params[1]->exp_avg_sq + n);
+      const std::vector<float> master0(params[1]->master, params[1]->master + n);
+      const std::vector<unsigned char> w0 = weights[1];
+      GradJob spec = job;
+      spec.device_weight = addr(weights[1].data());
+      spec.hyper.grad_scale = 1.0;
+      spec.speculate = true;
+      speculating.pipeline->land_gradient(params[1], addr(grad.data()), 0, spec);
+      speculating.transfer->land_all();
+      speculating.pipeline->synchronize();
+      // Nothing committed yet: state and device weights as they were (the fp32 master holds a term).
+      CHECK(std::memcmp(m0.data(), params[1]->exp_avg, 4 * n) == 0);
+      CHECK(std::memcmp(v0.data(), params[1]->exp_avg_sq, 4 * n) == 0);
+      CHECK(weights[1] == w0);
+      if (dtype == DType::bfloat16) CHECK(std::memcmp(master0.data(), params[1]->master, 4 * n) == 0);
+      GradJob resolve = spec;
+      resolve.speculate = false;
+      if (scale == 1.0) {
+        resolve.update = false;
+        resolve.commit = true;
+      } else {
+        resolve.hyper.grad_scale = scale;  // redone from the untouched state
+      }
+      speculating.pipeline->submit(params[1], resolve);
+      speculating.pipeline->synchronize();
+      CHECK(weights[0] == weights[1]);
+      CHECK(std::memcmp(params[0]->exp_avg, params[1]->exp_avg, 4 * n) == 0);
+      CHECK(std::memcmp(params[0]->exp_avg_sq, params[1]->exp_avg_sq, 4 * n) == 0);
+      if (dtype == DType::bfloat16) CHECK(std::memcmp(params[0]->master, params[1]->master, 4 * n) == 0);
+    }
+    CHECK(weights[0] != device_buffer(dtype, n, grad_value, 99));
+  }
+}
+
+TEST_CASE("speculation is refused where it could not be undone") {
+  Rig rig;
+  const std::size_t n = 64;
+  std::vector<float> weight(n, 1.f), grad(n, 0.5f);
+  auto p = rig.pipeline->add_param(n, DType::float32, false);
+  GradJob spec = update_job(addr(weight.data()));
+  spec.speculate = true;
+  bool threw = false;
+  try {
+    rig.pipeline->land_gradient(p, addr(grad.data()), 0, spec);  // no next-state buffers
+  } catch (const std::invalid_argument&) {
+    threw = true;
+  }
+  CHECK(threw);
+  rig.pipeline->enable_speculation(*p);
+  rig.pipeline->set_upload_terms(false);  // the fp32 master is then state, with no twin
+  rig.pipeline->land_gradient(p, addr(grad.data()), 0, spec);
+  rig.transfer->land_all();
+  threw = false;
+  try {
+    rig.pipeline->synchronize();
+  } catch (const std::exception&) {
+    threw = true;
+  }
+  CHECK(threw);
+}
+
+TEST_CASE("abandoned speculative updates leave the state untouched, and a redo gives the waiting bits") {
+  const std::size_t n = 4096 * 8;
+  Rig waiting, speculating;
+  std::vector<float> w0(n), w1(n), grad(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    w0[i] = w1[i] = grad_value(i, 7);
+    grad[i] = grad_value(i, 1);
+  }
+  auto p0 = waiting.pipeline->add_param(n, DType::float32, false);
+  auto p1 = speculating.pipeline->add_param(n, DType::float32, false);
+  speculating.pipeline->enable_speculation(*p1);
+  GradJob job = update_job(addr(w0.data()));
+  job.hyper.grad_scale = 0.125;
+  waiting.pipeline->land_gradient(p0, addr(grad.data()), 0, job);
+  waiting.transfer->land_all();
+  waiting.pipeline->synchronize();
+
+  GradJob spec = update_job(addr(w1.data()));
+  spec.speculate = true;
+  speculating.pipeline->land_gradient(p1, addr(grad.data()), 0, spec);  // not landed: cannot start
+  CHECK(speculating.pipeline->abandon_speculation() == 1);
+  CHECK(speculating.pipeline->abandon_speculation() == 0);
+  GradJob redo = update_job(addr(w1.data()));
+  redo.hyper.grad_scale = 0.125;
+  speculating.pipeline->submit(p1, redo);
+  speculating.transfer->land_all();
+  speculating.pipeline->synchronize();
+  CHECK(w0 == w1);
+  CHECK(std::memcmp(p0->exp_avg, p1->exp_avg, 4 * n) == 0);
+  CHECK(std::memcmp(p0->exp_avg_sq, p1->exp_avg_sq, 4 * n) == 0);
+  CHECK(speculating.pipeline->stats().updated_elements == n);  // the abandoned one updated nothing
+}

@@ -42,6 +42,12 @@ struct AdamWBuffers {
   // applies weight * decay + term itself with the same two roundings (Transfer::upload_update).
   // The host then reads 24 B a parameter instead of 28. Not with param_bf16.
   bool term_only = false;
+  // Where the new moments and (without term_only) weights go; null: in place. A speculative
+  // update writes elsewhere and leaves its inputs as they were, to be redone from them if the
+  // speculation turns out wrong. Each must not overlap any other buffer.
+  float* exp_avg_out = nullptr;
+  float* exp_avg_sq_out = nullptr;
+  float* param_out = nullptr;
 };
 
 // Per-call constants, rounded to float exactly where torch's for-loop AdamW rounds them.

@@ -37,6 +37,13 @@ class HostParam {
   void* grad = nullptr;
   float* accumulator = nullptr;
   double squared_norm = 0.0;  // of the last gradient measured with GradJob::norm (grad_ops.hpp)
+  // Speculation (OffloadPipeline::enable_speculation): where a speculative update writes the new
+  // moments and, for bf16 weights, the new fp32 master and its bf16 rounding, leaving the state
+  // above untouched until a commit swaps the two sets. Null until enabled.
+  float* next_exp_avg = nullptr;
+  float* next_exp_avg_sq = nullptr;
+  float* next_master = nullptr;
+  std::uint16_t* next_bf16 = nullptr;
   // Position in the forward pass (lower runs first): updates are done in this order when
   // several are ready, so the next forward can start while later layers still update.
   std::int64_t priority = 0;
@@ -72,6 +79,12 @@ struct GradJob {
   bool update = false;          // AdamW step with `hyper`
   AdamWHyper hyper;
   std::uintptr_t device_weight = 0;  // after the update, upload the weights here (0: don't)
+  // Clipping without waiting for the global norm: `update` with `speculate` writes the parameter's
+  // next-state buffers and uploads nothing. Once the norm says the clip coefficient is 1, a job
+  // with `commit` (and the same hyperparameters and device_weight) makes them the state and
+  // uploads; otherwise a plain update redoes the step from the untouched state.
+  bool speculate = false;
+  bool commit = false;
 };
 
 class OffloadPipeline {
@@ -111,6 +124,23 @@ class OffloadPipeline {
   // Queues a job on what has already landed or been accumulated (e.g. the update at step()); it
   // runs after every download of this parameter issued so far has landed.
   void submit(const std::shared_ptr<HostParam>& p, const GradJob& job);
+
+  // Gives the parameter its next-state buffers (GradJob::speculate), once; returns the host bytes
+  // they took (0 if it had them). The moments and master are pageable memory, touched here so
+  // that the first speculative update takes no page faults; the bf16 weights, which are uploaded,
+  // come from the arena.
+  std::size_t enable_speculation(HostParam& p);
+  // Host bytes enable_speculation takes for a parameter of this size and weight dtype.
+  static std::size_t speculation_bytes(std::size_t numel, DType weight_dtype);
+
+  // Waits until the parameters' queued jobs have finished (on the host; nothing is ordered on the
+  // device). Rethrows the first error a job raised.
+  void wait(const std::vector<HostParam*>& params);
+
+  // Drops the work left in every speculative update (jobs not started are drained unrun, running
+  // ones stop at their next chunk): they wrote only next-state buffers, which a redo replaces.
+  // Returns how many jobs it cut short.
+  std::size_t abandon_speculation();
 
   // Waits until the parameters' queued jobs have finished, then orders `stream` after their
   // uploads (on the device). This is what a module's forward pre-hook calls.
@@ -186,6 +216,7 @@ class OffloadPipeline {
   void rethrow_locked();
 
   std::unique_ptr<Transfer> transfer_;
+  HostArena spare_{std::make_unique<PageableSlabs>()};  // next-state moments and masters
   HostAdamW engine_;
   std::size_t max_download_bytes_;
   std::atomic<bool> device_accumulate_;

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <limits>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "trainstream/errors.hpp"
@@ -79,6 +80,15 @@ void validate_buffers(const AdamWBuffers& b) {
   ranges[1].end = ranges[1].begin + gsize * b.numel;
   ranges[2].end = ranges[2].begin + 4 * b.numel;
   ranges[3].end = ranges[3].begin + 4 * b.numel;
+  TS_EXPECTS(!(b.term_only && b.param_out), "AdamW: term_only writes the term into param; no param_out");
+  const std::pair<const char*, float*> outs[] = {
+      {"exp_avg_out", b.exp_avg_out}, {"exp_avg_sq_out", b.exp_avg_sq_out}, {"param_out", b.param_out}};
+  for (const auto& [name, out] : outs) {
+    if (!out) continue;
+    TS_EXPECTS(aligned(out, 4), std::string("AdamW: ") + name + " must be 4-byte aligned");
+    const auto at = reinterpret_cast<std::uintptr_t>(out);
+    ranges.push_back({name, at, at + 4 * b.numel});
+  }
   if (b.param_bf16) {
     const auto out = reinterpret_cast<std::uintptr_t>(b.param_bf16);
     const bool is_grad = b.grad_dtype == DType::bfloat16 && out == ranges[1].begin;

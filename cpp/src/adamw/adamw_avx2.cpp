@@ -39,6 +39,18 @@ void adamw_avx2(const AdamWBuffers& b, const AdamWCoeffs& c, std::size_t begin, 
   const __m256 nss = _mm256_set1_ps(c.neg_step_size);
   const __m256 scale = _mm256_set1_ps(c.grad_scale);
   const __m256 sign = _mm256_set1_ps(c.maximize ? -0.0f : 0.0f);
+  float* p_out = b.param_out ? b.param_out : b.param;
+  float* m_out = b.exp_avg_out ? b.exp_avg_out : b.exp_avg;
+  float* v_out = b.exp_avg_sq_out ? b.exp_avg_sq_out : b.exp_avg_sq;
+  // Out of place, the new state is streamed (see adamw_avx512.cpp).
+  const bool streamed = b.exp_avg_out != nullptr;
+  const auto store = [streamed](float* at, __m256 x) {
+    if (streamed && reinterpret_cast<std::uintptr_t>(at) % 32 == 0) {
+      _mm256_stream_ps(at, x);
+    } else {
+      _mm256_storeu_ps(at, x);
+    }
+  };
   std::size_t i = begin;
   for (; i + 8 <= end; i += 8) {
     const __m256 g = _mm256_xor_ps(_mm256_mul_ps(load_grad(b, i), scale), sign);
@@ -48,8 +60,8 @@ void adamw_avx2(const AdamWBuffers& b, const AdamWCoeffs& c, std::size_t begin, 
                                      _mm256_mul_ps(_mm256_loadu_ps(b.exp_avg_sq + i), beta2));
     const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), bc2), eps);
     const __m256 term = _mm256_div_ps(_mm256_mul_ps(nss, m), denom);
-    _mm256_storeu_ps(b.exp_avg + i, m);
-    _mm256_storeu_ps(b.exp_avg_sq + i, v);
+    store(m_out + i, m);
+    store(v_out + i, v);
     if (b.term_only) {  // streamed past the caches: nothing here reads it again
       if (reinterpret_cast<std::uintptr_t>(b.param + i) % 32 == 0) {
         _mm256_stream_ps(b.param + i, term);
@@ -59,10 +71,10 @@ void adamw_avx2(const AdamWBuffers& b, const AdamWCoeffs& c, std::size_t begin, 
       continue;
     }
     const __m256 pn = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(b.param + i), decay), term);
-    _mm256_storeu_ps(b.param + i, pn);
+    store(p_out + i, pn);
     if (b.param_bf16) _mm_storeu_si128(reinterpret_cast<__m128i*>(b.param_bf16 + i), to_bf16(pn));
   }
-  if (b.term_only) _mm_sfence();  // the streamed stores are visible before the caller moves on
+  if (b.term_only || streamed) _mm_sfence();  // the streamed stores are visible before the caller moves on
   if (i < end) adamw_scalar(b, c, i, end);
 }
 

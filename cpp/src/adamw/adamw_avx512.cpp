@@ -39,6 +39,19 @@ void adamw_avx512(const AdamWBuffers& b, const AdamWCoeffs& c, std::size_t begin
   const __m512 nss = _mm512_set1_ps(c.neg_step_size);
   const __m512 scale = _mm512_set1_ps(c.grad_scale);
   const __m512i sign = _mm512_set1_epi32(c.maximize ? static_cast<int>(0x80000000u) : 0);
+  float* p_out = b.param_out ? b.param_out : b.param;
+  float* m_out = b.exp_avg_out ? b.exp_avg_out : b.exp_avg;
+  float* v_out = b.exp_avg_sq_out ? b.exp_avg_sq_out : b.exp_avg_sq;
+  // Out of place, the new state goes to lines nothing here reads: streamed, or each store that
+  // missed the cache would read its line first (8 bytes a parameter more traffic for the moments).
+  const bool streamed = b.exp_avg_out != nullptr;
+  const auto store = [streamed](float* at, __mmask16 k, bool whole, __m512 x) {
+    if (streamed && whole && reinterpret_cast<std::uintptr_t>(at) % 64 == 0) {
+      _mm512_stream_ps(at, x);
+    } else {
+      _mm512_mask_storeu_ps(at, k, x);
+    }
+  };
   for (std::size_t i = begin; i < end; i += 16) {
     const std::size_t left = end - i;
     const __mmask16 k = left >= 16 ? __mmask16(0xffff) : __mmask16((1u << left) - 1);
@@ -50,8 +63,8 @@ void adamw_avx512(const AdamWBuffers& b, const AdamWCoeffs& c, std::size_t begin
                                      _mm512_mul_ps(_mm512_maskz_loadu_ps(k, b.exp_avg_sq + i), beta2));
     const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), bc2), eps);
     const __m512 term = _mm512_div_ps(_mm512_mul_ps(nss, m), denom);
-    _mm512_mask_storeu_ps(b.exp_avg + i, k, m);
-    _mm512_mask_storeu_ps(b.exp_avg_sq + i, k, v);
+    store(m_out + i, k, left >= 16, m);
+    store(v_out + i, k, left >= 16, v);
     if (b.term_only) {
       // Streamed past the caches: nothing here reads it again, and a store that missed the
       // cache would first read the line (the 4 bytes this mode saves).
@@ -63,10 +76,10 @@ void adamw_avx512(const AdamWBuffers& b, const AdamWCoeffs& c, std::size_t begin
       continue;
     }
     const __m512 pn = _mm512_add_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(k, b.param + i), decay), term);
-    _mm512_mask_storeu_ps(b.param + i, k, pn);
+    store(p_out + i, k, left >= 16, pn);
     if (b.param_bf16) _mm256_mask_storeu_epi16(b.param_bf16 + i, k, to_bf16(pn));
   }
-  if (b.term_only) _mm_sfence();  // the streamed stores are visible before the caller moves on
+  if (b.term_only || streamed) _mm_sfence();  // the streamed stores are visible before the caller moves on
 }
 
 }  // namespace trainstream::kernels

@@ -9,9 +9,12 @@
 namespace trainstream::kernels {
 
 void adamw_scalar(const AdamWBuffers& b, const AdamWCoeffs& c, std::size_t begin, std::size_t end) {
-  float* __restrict p = b.param;
-  float* __restrict m = b.exp_avg;
-  float* __restrict v = b.exp_avg_sq;
+  const float* p = b.param;
+  const float* m = b.exp_avg;
+  const float* v = b.exp_avg_sq;
+  float* p_out = b.param_out ? b.param_out : b.param;
+  float* m_out = b.exp_avg_out ? b.exp_avg_out : b.exp_avg;
+  float* v_out = b.exp_avg_sq_out ? b.exp_avg_sq_out : b.exp_avg_sq;
   const float* g32 = static_cast<const float*>(b.grad);
   const std::uint16_t* g16 = static_cast<const std::uint16_t*>(b.grad);
   const bool bf16_grad = b.grad_dtype == DType::bfloat16;
@@ -22,14 +25,14 @@ void adamw_scalar(const AdamWBuffers& b, const AdamWCoeffs& c, std::size_t begin
     const float vi = std::fma(c.one_minus_beta2 * g, g, v[i] * c.beta2);  // as torch's addcmul_
     const float denom = std::sqrt(vi) / c.bc2_sqrt + c.eps;
     const float term = c.neg_step_size * mi / denom;
-    m[i] = mi;
-    v[i] = vi;
+    m_out[i] = mi;
+    v_out[i] = vi;
     if (b.term_only) {
-      p[i] = term;
+      b.param[i] = term;
       continue;
     }
     const float pn = p[i] * c.decay + term;
-    p[i] = pn;
+    p_out[i] = pn;
     if (b.param_bf16) b.param_bf16[i] = float_to_bf16(pn);
   }
 }
