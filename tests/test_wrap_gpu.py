@@ -101,13 +101,13 @@ def test_forward_gates_come_off_only_once_uploads_have_finished():
         loss.backward()
 
     micro_batch(0)  # nothing was ever uploaded: settled from the start
-    assert opt._gate_handles is None
+    assert not opt._gates_on
     for step in range(3):
         if step == 1:  # hold this window's uploads behind half a second of GPU sleep
             with torch.cuda.stream(upload_stream):
                 torch.cuda._sleep(1 << 30)
         micro_batch(2 * step + 1)
-        assert opt._gate_handles is not None  # the last backward queued the updates
+        assert opt._gates_on  # the last backward queued the updates
         opt.step()
         ref_opt.step()
         opt.zero_grad()
@@ -116,7 +116,7 @@ def test_forward_gates_come_off_only_once_uploads_have_finished():
         settled = opt._pipeline.settled(opt._hosts)
         micro_batch(2 * step + 2)
         if step == 1:
-            assert not settled and opt._gate_handles is not None
+            assert not settled and opt._gates_on
         torch.cuda.synchronize()
         assert opt._pipeline.settled(opt._hosts)
     opt.step()

@@ -365,11 +365,14 @@ class ActivationPager:
 
     # ----------------------------------------------------------------------- hooks
     def _register(self, model) -> None:
-        self._handles.append(model.register_forward_pre_hook(self._model_pre, with_kwargs=True))
-        self._handles.append(model.register_forward_hook(self._model_post, always_call=True))
+        # The hooks run eagerly under torch.compile (a graph break at each): they read CUDA streams,
+        # call the native pager and enter the saved-tensor hooks that the compiled graph then meets.
+        eager = torch.compiler.disable
+        self._handles.append(model.register_forward_pre_hook(eager(self._model_pre), with_kwargs=True))
+        self._handles.append(model.register_forward_hook(eager(self._model_post), always_call=True))
         for i, block in enumerate(self.blocks):
-            self._handles.append(block.register_forward_pre_hook(self._block_pre(i), with_kwargs=True))
-            self._handles.append(block.register_forward_hook(self._block_post, always_call=True))
+            self._handles.append(block.register_forward_pre_hook(eager(self._block_pre(i)), with_kwargs=True))
+            self._handles.append(block.register_forward_hook(eager(self._block_post), always_call=True))
 
     def remove(self) -> None:
         for h in self._handles:
@@ -409,7 +412,10 @@ class ActivationPager:
             self._input_bytes = [0] * len(self.blocks)
             self._inputs_seen = {}
             self._backward_peak = None
-        self._hooks_ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        # Disabled for torch.compile too: autograd calls them from inside compiled code, where each
+        # would otherwise be traced as a frame of its own.
+        self._hooks_ctx = torch.autograd.graph.saved_tensors_hooks(torch.compiler.disable(self._pack),
+                                                                   torch.compiler.disable(self._unpack))
         self._hooks_ctx.__enter__()
 
     def _model_post(self, module, args, output):

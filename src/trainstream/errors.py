@@ -130,3 +130,32 @@ GRAD_SCALER_MESSAGE = (
     "GPU as they are produced, before a scaler could unscale or skip them. Train in bf16 "
     "(torch.autocast('cuda', dtype=torch.bfloat16), or bf16=True in Hugging Face) without a scaler."
 )
+
+
+def check_compile_mode(compiled: torch.nn.Module) -> None:
+    """torch.compile's CUDA-graph modes ("reduce-overhead", "max-autotune") are refused: a replayed
+    graph writes its outputs, gradients included, to memory of its own that the next replay reuses,
+    which TrainStream's copies and in-VRAM sums cannot be ordered with."""
+    config = getattr(compiled, "get_compiler_config", lambda: None)() or {}
+    if config.get("triton.cudagraphs"):
+        raise UnsupportedSetupError(
+            "torch.compile with CUDA graphs (mode='reduce-overhead' or 'max-autotune') is not supported: "
+            "a replayed graph reuses its output memory, including gradients that TrainStream is still "
+            "copying to the host or summing in VRAM. Compile in the default mode (torch.compile(model)) "
+            "or with mode='max-autotune-no-cudagraphs'.")
+
+
+def compiled_wrappers(model: torch.nn.Module, depth: int = 40) -> list[torch.nn.Module]:
+    """The torch.compile wrappers (OptimizedModule) of `model` among the callers of this call:
+    how a hook of `model` sees that it was compiled after wrap()."""
+    import sys
+
+    found, frame = [], sys._getframe(1)
+    for _ in range(depth):
+        if frame is None:
+            break
+        owner = frame.f_locals.get("self")
+        if getattr(owner, "_orig_mod", None) is model and owner not in found:
+            found.append(owner)
+        frame = frame.f_back
+    return found

@@ -22,10 +22,11 @@ import torch
 
 from trainstream import placement as planner
 from trainstream.errors import (GRAD_SCALER_MESSAGE, UnsupportedSetupError, VramBudgetError, check_autocast,
-                                check_single_process)
+                                check_compile_mode, check_single_process, compiled_wrappers)
 from trainstream.host_adamw import DTYPE_NAMES
 from trainstream.profiler import StepProfiler, measure_bandwidths
-from trainstream.resident import ResidentAdamW
+from trainstream._native import _C
+from trainstream.resident import GradientNorms, ResidentAdamW
 
 log = logging.getLogger("trainstream")
 
@@ -34,6 +35,8 @@ _CLIP_EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_
 # a piece at a time for larger parameters.
 _STAGING_FLOATS = 16 << 20
 _PACK_S = 3e-6  # what one call of the saved-tensor hooks costs, for the planner's estimate
+# Host memory speculation leaves free: this much, or a tenth of what is available if that is more.
+_SPECULATION_RESERVE = 4 << 30
 # id(parameter) -> (the parameter, its optimizer), both weakly: tensors compare by value, not by
 # identity, so they cannot be the keys of a WeakKeyDictionary
 _OWNERS: dict[int, tuple[weakref.ref, weakref.ref]] = {}
@@ -74,6 +77,10 @@ class _Slot:
     resident: bool = False  # gradient and AdamW state beside the weights, updated at step()
     sum_in_vram: bool = False  # offloaded; autograd sums the window's micro-batches in VRAM
     device_state: dict | None = None  # resident: exp_avg, exp_avg_sq (+ master_param, accumulator)
+    norm_on_device: bool = False  # this window's squared norm was taken before the gradient left
+    # the hyperparameters of this window's host update, if it started before the global norm was known
+    speculated: dict | None = None
+    next_state: dict | None = None  # views of the next-state buffers a commit swaps with `state`
 
 
 class OffloadedAdamW(torch.optim.Optimizer):
@@ -115,8 +122,9 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self._slots: dict[torch.nn.Parameter, _Slot] = {}
         self._order: list[_Slot] = []  # forward (registration) order
         self._hooks: list = []
-        self._gates: list = []  # (module, forward pre-hook) for each module that owns offloaded parameters
-        self._gate_handles: list | None = None  # while the gates are installed
+        # module -> its offloaded parameters' HostParams, which its forward pre-hook waits for
+        self._gated: dict[torch.nn.Module, list] = {}
+        self._gates_on = False  # whether the gates wait (an update has been queued since they last settled)
         self._hosts: list = []  # every offloaded parameter's HostParam
         self._uploads_queued = 0  # updates (each ends in an upload) queued so far
         self._gate_always = False  # a benchmark's baseline: gates stay installed and every one waits
@@ -134,6 +142,14 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self._names = {p: n for n, p in model.named_parameters()}
         self._checked = False  # the first planned window's peak has been compared with the budget
         self._checked_processes = False
+        # Clipping: offloaded gradients' squared norms, taken on the device as they arrive, so that
+        # the global norm is known when backward ends and host updates may start before it.
+        self._grad_norms: GradientNorms | None = None
+        self._offload_norms = None  # this window's, pending (trainstream.resident.PendingNorms)
+        self._norm_on_device: set = set()  # the slots of the window last_grad_norm reports whose norms they are
+        self._speculate = True  # the next window speculates: the last norm did not clip (or none yet)
+        self._speculation_on = True
+        self.speculation = {"params": 0, "host_bytes": 0, "hits": 0, "misses": 0, "waited": 0}
         self._register(model)
         self._sync_packing()
 
@@ -171,17 +187,27 @@ class OffloadedAdamW(torch.optim.Optimizer):
             self._order.append(slot)
             self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
             _OWNERS[id(p)] = (weakref.ref(p), weakref.ref(self))
+        if self.max_grad_norm is not None:
+            self._grad_norms = GradientNorms(self._device, len(self._order), self._resident)
         self._build_gates()
         self._install_gates()
+        # One forward pre-hook on each module that owns a trainable parameter, for the optimizer's
+        # life: hooks that come and go would make torch.compile recompile (or, where it does not
+        # guard on hooks, ignore new ones). The hooks run eagerly (a graph break under compile): they
+        # read CUDA streams and call the native pipeline. What changes is what they wait for.
+        for module in {m for m in model.modules() if any(p in self._slots for p in m.parameters(recurse=False))}:
+            self._hooks.append(module.register_forward_pre_hook(self._gate_hook(module)))
         self._ensure_staging()
         self._pipeline.upload_terms = True
+        if self._placement != "auto":
+            self._enable_speculation()
         if self._placement == "auto":
             self._profiler = StepProfiler(model, [s.param for s in self._order], self._device)
             self._stats_at_start = self._pipeline.stats()
         # A lambda, not a bound method: copy.deepcopy(model) copies the hooks, and would copy the
         # optimizer behind a bound method with them.
-        self._hooks.append(model.register_forward_pre_hook(
-            lambda module, args, kwargs: self._before_forward(args, kwargs), prepend=True, with_kwargs=True))
+        self._hooks.append(model.register_forward_pre_hook(torch.compiler.disable(
+            lambda module, args, kwargs: self._before_forward(args, kwargs)), prepend=True, with_kwargs=True))
         # Reads and writes of the weights outside forward (saving, loading) see settled values.
         self._hooks.append(model.register_state_dict_pre_hook(lambda *_: self.synchronize()))
         self._hooks.append(model.register_load_state_dict_pre_hook(lambda *_: self.synchronize()))
@@ -195,19 +221,51 @@ class OffloadedAdamW(torch.optim.Optimizer):
         return state
 
     def _build_gates(self) -> None:
-        """Forward pre-hooks for the modules that own offloaded parameters (resident ones are
-        updated on the compute stream itself, before any later kernel reads them)."""
-        installed = self._gate_handles is not None
-        self._remove_gates()
-        self._gates = []
+        """What each module's gate waits for: the uploads of its offloaded parameters (resident
+        ones are updated on the compute stream itself, before any later kernel reads them)."""
+        self._gated = {}
         for module in self._model.modules():
             own = [self._slots[p].host for p in module.parameters(recurse=False)
                    if p in self._slots and not self._slots[p].resident]
             if own:
-                self._gates.append((module, self._gate_hook(own)))
+                self._gated[module] = own
         self._hosts = [s.host for s in self._order if not s.resident]
-        if installed:
-            self._install_gates()
+
+    def _speculates(self, slot: _Slot) -> bool:
+        """Whether this slot's update may start before the global norm is known: it has next-state
+        buffers, and the update reads a gradient the device measured (not a host sum), and
+        writes no state without a twin (fp32 masters are state when update terms are off)."""
+        return (slot.next_state is not None and not slot.resident and not self._sums_on_host(slot)
+                and (slot.param.dtype == torch.bfloat16 or self._pipeline.upload_terms))
+
+    def _enable_speculation(self) -> None:
+        """With clipping: next-state buffers for the offloaded parameters, first those whose
+        gradients arrive first (they have the most backward to hide behind), as many as host
+        memory holds beyond a reserve; the rest wait for the norm."""
+        if self.max_grad_norm is None:
+            return
+        available = _C.host_memory_available()
+        room = available - max(_SPECULATION_RESERVE, available // 10) if available else float("inf")
+        for s in reversed(self._order):
+            if s.next_state is not None or s.resident or self._sums_on_host(s):
+                continue
+            need = self._pipeline.speculation_bytes(s.param.numel(), DTYPE_NAMES[s.param.dtype])
+            if need > room:
+                continue
+            room -= need
+            self.speculation["host_bytes"] += self._pipeline.enable_speculation(s.host)
+            s.next_state = {"exp_avg": self._host_tensor(s.host, "next_exp_avg", s.param),
+                            "exp_avg_sq": self._host_tensor(s.host, "next_exp_avg_sq", s.param)}
+            if s.param.dtype == torch.bfloat16:
+                s.next_state["master_param"] = self._host_tensor(s.host, "next_master", s.param)
+        self.speculation["params"] = sum(self._speculates(s) for s in self._order)
+
+    def _commit(self, slot: _Slot) -> None:
+        """Queues the commit of a speculative update; the state's views follow the swap."""
+        self._pipeline.submit(slot.host, commit=True, device_weight=slot.param.data_ptr(),
+                              **self._hyper(slot, grad_scale=1.0))
+        for key, view in slot.next_state.items():
+            slot.next_state[key], slot.state[key] = slot.state[key], view
 
     def _ensure_staging(self) -> None:
         """The VRAM buffer that offloaded fp32 parameters' update terms cross through, sized for
@@ -250,35 +308,39 @@ class OffloadedAdamW(torch.optim.Optimizer):
         return 0
 
     def _install_gates(self) -> None:
-        if self._gate_handles is None:
-            self._gate_handles = [m.register_forward_pre_hook(hook) for m, hook in self._gates]
+        self._gates_on = bool(self._gated)
 
     def _remove_gates(self) -> None:
-        for h in self._gate_handles or ():
-            h.remove()
-        self._gate_handles = None
+        self._gates_on = False
 
     def _before_forward(self, args: tuple, kwargs: dict) -> None:
         check_autocast(self._device.type)
+        if self._forwards == 0:  # a model compiled after wrap() is seen at its first forward
+            for compiled in compiled_wrappers(self._model):
+                check_compile_mode(compiled)
         if torch.is_grad_enabled():
             if self._forwards == 0 and self._profiler is not None:
                 self._placement_window_starts(args, kwargs)
             self._forwards += 1
         # Once no update is queued and every upload has finished, no module needs to wait for its
-        # weights: the gates come off until the next update is queued (_mark_updated). Within an
-        # accumulation window, forwards after the first then run without a hook on every module.
-        if self._gate_handles is not None and not self._gate_always and self._pipeline.settled(self._hosts):
+        # weights: the gates stand down until the next update is queued (_mark_updated). Within an
+        # accumulation window, forwards after the first then make no native call per module.
+        if self._gates_on and not self._gate_always and self._pipeline.settled(self._hosts):
             self._remove_gates()
 
-    def _gate_hook(self, hosts: list):
+    def _gate_hook(self, module: torch.nn.Module):
         # A module that has gated on a stream need not again until another update is queued: its
         # weights' uploads were all waited for. So while the gates stay on (uploads still in
         # flight), later forwards of a window skip the native call and its lock.
         settled = (None, None)  # (uploads queued, stream) at this module's last gate
 
-        def gate(module, args):
+        @torch.compiler.disable
+        def gate(_module, args):
             nonlocal settled
-            if self._gate_handles is None:  # taken off by this forward's _before_forward
+            if not self._gates_on:  # stood down (e.g. by this forward's _before_forward)
+                return
+            hosts = self._gated.get(module)
+            if not hosts:
                 return
             now = (self._uploads_queued, self._current_stream())
             if now != settled or self._gate_always:
@@ -331,17 +393,27 @@ class OffloadedAdamW(torch.optim.Optimizer):
         if slot.sum_in_vram and not last:
             return  # autograd adds the next micro-batch into param.grad
         host_sum = self._sums_on_host(slot)
-        update_now = last and self.max_grad_norm is None
+        # With clipping, a gradient the device holds whole is measured there before it leaves, and
+        # its update may start now with a clip coefficient of 1, committed at step() if the global
+        # norm says so and redone from the untouched state if not.
+        device_norm = last and self.max_grad_norm is not None and not host_sum
+        speculate = device_norm and self._speculation_on and self._speculate and self._speculates(slot)
+        update_now = last and (self.max_grad_norm is None or speculate)
         job = dict(
             accumulate=host_sum,
             overwrite=host_sum and first,
             from_accumulator=host_sum,
-            norm=last and self._track_norm,
+            norm=last and self._track_norm and not device_norm,
         )
+        if device_norm:
+            self._grad_norms.add(slot.index, grad)
+            slot.norm_on_device = True
         if update_now:
-            job.update(self._update_args(slot, grad_scale=1.0))
+            job.update(self._update_args(slot, grad_scale=1.0), speculate=speculate)
         self._send(slot, grad, job)
-        if update_now:
+        if speculate:
+            slot.speculated = self._hyper(slot, grad_scale=1.0)
+        elif update_now:
             self._mark_updated(slot)
 
     def _sums_on_host(self, slot: _Slot) -> bool:
@@ -407,6 +479,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
         if self._arrival:
             self._norm_slots = sorted(self._arrival, key=lambda s: s.index)
             self._device_norms = {}
+            self._norm_on_device = {s for s in self._arrival if s.norm_on_device}
+            self._offload_norms = self._grad_norms.collect() if self._norm_on_device else None
         if pending:
             for s in pending:
                 if s.resident:
@@ -432,14 +506,21 @@ class OffloadedAdamW(torch.optim.Optimizer):
                     device_scale = self._resident.clip_scale(norms, self.max_grad_norm, _CLIP_EPS)
                 if device_scale is None:
                     scale = self._clip_coefficient()
+            unclipped = scale == 1.0 and math.isfinite(self._last_grad_norm or 0.0)
+            self._resolve_speculation(pending, unclipped)
             for s in pending:
-                if not s.resident:
+                if s.resident:
+                    continue
+                if unclipped and s.speculated == self._hyper(s, grad_scale=1.0):  # (and lr unchanged)
+                    self._commit(s)
+                else:
                     self._pipeline.submit(s.host, from_accumulator=self._sums_on_host(s),
                                           **self._update_args(s, grad_scale=scale))
-                    self._mark_updated(s)
+                self._mark_updated(s)
             self._update_resident(resident, scale, device_scale)
         for s in self._arrival:
-            s.landed = s.updated = False
+            s.landed = s.updated = s.norm_on_device = False
+            s.speculated = None
         self._arrival = []
         self._micro = 0
         self._forwards = 0
@@ -449,6 +530,21 @@ class OffloadedAdamW(torch.optim.Optimizer):
         elif self.plan is not None and not self._checked:
             self._check_peak()
         return loss
+
+    def _resolve_speculation(self, pending: list, unclipped: bool) -> None:
+        """Counts the window as a hit, a miss or a wait; on a miss drops what is left of the
+        speculative updates (the redo reads the state they never wrote). The next window
+        speculates if this one's norm did not clip: a run that clips every step then waits, as
+        without speculation, rather than doing each update twice."""
+        if self.max_grad_norm is None or not any(not s.resident for s in pending):
+            return
+        if any(s.speculated for s in pending):
+            self.speculation["hits" if unclipped else "misses"] += 1
+            if not unclipped:
+                self._pipeline.abandon_speculation()
+        elif any(self._speculates(s) for s in pending):
+            self.speculation["waited"] += 1
+        self._speculate = unclipped
 
     def _update_resident(self, items: list, scale: float, device_scale: torch.Tensor | None) -> None:
         """One launch (or host call) per set of parameters that share their hyperparameters."""
@@ -474,6 +570,19 @@ class OffloadedAdamW(torch.optim.Optimizer):
     def pack_gradients(self, on: bool) -> None:
         self._pack = bool(on)
         self._sync_packing()
+
+    @property
+    def speculative_clipping(self) -> bool:
+        """With max_grad_norm: start each offloaded update as its gradient lands, with a clip
+        coefficient of 1, into a second set of state buffers; step() commits it when the global
+        norm does not clip and redoes it from the untouched state when it does (default True).
+        The weights and state are the same bits either way; only when the updates run changes.
+        After a window whose norm clipped, the next one waits for the norm instead."""
+        return self._speculation_on
+
+    @speculative_clipping.setter
+    def speculative_clipping(self, on: bool) -> None:
+        self._speculation_on = bool(on)
 
     @property
     def upload_update_terms(self) -> bool:
@@ -508,14 +617,21 @@ class OffloadedAdamW(torch.optim.Optimizer):
         norm (and the clipping) has the same bits for every placement.
         """
         if self._norm_pending:
-            if any(not s.resident for s in self._norm_slots):
-                self._pipeline.synchronize()
+            on_host = [s.host for s in self._norm_slots if not s.resident and s not in self._norm_on_device]
+            if on_host:
+                self._pipeline.wait(on_host)
             if isinstance(self._device_norms, tuple):
                 slots, pending = self._device_norms
                 self._device_norms = dict(zip(slots, pending.values()))
+            offloaded = self._offload_norms.values() if self._norm_on_device else None
             total = 0.0  # added in order, one rounding each, as the device adds them (not sum())
             for s in self._norm_slots:
-                total += self._device_norms.get(s, 0.0) if s.resident else s.host.squared_norm
+                if s.resident:
+                    total += self._device_norms.get(s, 0.0)
+                elif s in self._norm_on_device:
+                    total += offloaded[s.index]
+                else:
+                    total += s.host.squared_norm
             self._last_grad_norm = math.sqrt(total)
             self._norm_pending = False
         return self._last_grad_norm
@@ -632,6 +748,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
                 pager.remove()
                 self.activation_pager = None
         self.plan = plan
+        self._enable_speculation()
         self._build_gates()
         if self._upload_terms:
             self._ensure_staging()
@@ -686,6 +803,11 @@ class OffloadedAdamW(torch.optim.Optimizer):
             state = "profiling the first steps with everything offloaded" if self._profiler else "fixed"
             lines.append(f"placement ({state}): {resident} of {len(self._order)} parameters keep gradient and "
                          f"AdamW state in VRAM, {len(self._order) - resident} offloaded to host memory")
+        if self.max_grad_norm is not None and self.speculation["params"]:
+            spec = self.speculation
+            lines.append(f"clipping: {spec['params']} offloaded parameters start their update before the global norm "
+                         f"is known ({spec['host_bytes'] / 1e9:.2f} GB of host memory for it); windows committed "
+                         f"{spec['hits']}, redone {spec['misses']}, waited after a clip {spec['waited']}")
         if self.activation_pager is not None:
             lines.append(self.activation_pager.describe())
         return "\n".join(lines)
@@ -763,6 +885,10 @@ class OffloadedAdamW(torch.optim.Optimizer):
             # VRAM besides the weights: the buffer fp32 update terms cross through (64 MiB at most)
             "vram_staging_bytes": self._staging.nbytes if self._staging is not None else 0,
             "placement": self._placement_report(),
+            # clipping without waiting: parameters whose updates start before the global norm is
+            # known, host bytes their next-state buffers take, and windows committed (hits),
+            # redone (misses) or not speculated because the last norm clipped (waited)
+            "speculation": dict(self.speculation),
             "activations": self.activation_pager.report() if self.activation_pager else "off",
         }
 

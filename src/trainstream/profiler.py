@@ -64,9 +64,10 @@ class StepProfiler:
         self.recording = True
         self._peak()
         self._start = mark(self.device)
+        eager = torch.compiler.disable  # as the optimizer's own hooks: they read CUDA events
         for module, own in self._owners:
-            self._handles.append(module.register_forward_pre_hook(self._module_started(own)))
-        self._handles.append(self._model.register_forward_hook(self._forward_ended, always_call=True))
+            self._handles.append(module.register_forward_pre_hook(eager(self._module_started(own))))
+        self._handles.append(self._model.register_forward_hook(eager(self._forward_ended), always_call=True))
 
     def _module_started(self, own: list[int]):
         def hook(module, args):

@@ -29,6 +29,42 @@ class PendingNorms:
         return self._values
 
 
+class GradientNorms:
+    """Squared norms of offloaded gradients, taken where each gradient is as it arrives (on the
+    compute stream, before it leaves for the host), into one slot per parameter. With clipping,
+    the global norm is then known when backward ends, without waiting for host jobs: what lets
+    host updates start speculatively during backward. Same bits as the host engine's norm."""
+
+    def __init__(self, device: torch.device, count: int, resident: "ResidentAdamW") -> None:
+        self._device = device
+        self._resident = resident
+        if device.type == "cuda":
+            self._out = torch.zeros(count, dtype=torch.float64, device=device)
+            self._host = torch.empty(count, dtype=torch.float64, pin_memory=True)
+        else:
+            self._values = [0.0] * count
+
+    def add(self, index: int, grad: torch.Tensor) -> None:
+        """Queues (CUDA) or takes (CPU) the squared norm of `grad` into slot `index`."""
+        if self._device.type != "cuda":
+            self._values[index] = self._resident.norms([grad]).values()[0]
+            return
+        scratch = torch.empty(_C.device_norm_scratch([grad.numel()]), dtype=torch.float64, device=self._device)
+        _C.device_squared_norms(self._device.index, torch.cuda.current_stream(self._device).cuda_stream,
+                                [grad.data_ptr()], [DTYPE_NAMES[grad.dtype]], [grad.numel()], scratch.data_ptr(),
+                                self._out.data_ptr() + index * self._out.element_size())
+
+    def collect(self) -> PendingNorms:
+        """Every slot's last norm, indexed by slot, once the work queued so far has run."""
+        if self._device.type != "cuda":
+            return PendingNorms(values=list(self._values))
+        stream = torch.cuda.current_stream(self._device)
+        self._host.copy_(self._out, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(stream)
+        return PendingNorms(host=self._host, event=event)
+
+
 class ResidentAdamW:
     def __init__(self, device: torch.device, threads: int = 0, isa: str | None = None) -> None:
         self.device = device

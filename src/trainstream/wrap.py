@@ -6,8 +6,8 @@ import torch
 
 from trainstream._native import _C, require_cuda_build
 from trainstream.activations import ActivationPager, parse_bytes
-from trainstream.errors import (UnsupportedSetupError, VramBudgetError, check_not_distributed, check_optimizer,
-                                check_weight_dtype)
+from trainstream.errors import (UnsupportedSetupError, VramBudgetError, check_compile_mode, check_not_distributed,
+                                check_optimizer, check_weight_dtype)
 from trainstream.optimizer import OffloadedAdamW, resident_at_start, wrapped_by
 from trainstream.placement import reserve_for
 
@@ -101,6 +101,7 @@ def wrap(
     if not trainable:
         raise ValueError("the optimizer has no trainable parameters (requires_grad=True)")
     check_not_distributed(model, trainable)
+    check_compile_mode(model)
     if any(wrapped_by(p) is not None for p in list(model.parameters()) + trainable):
         raise UnsupportedSetupError(
             "this model (or some of its parameters) is already wrapped by trainstream: a second wrap would "

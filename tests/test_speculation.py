@@ -1,0 +1,138 @@
+"""Clipping without waiting (CPU mode, and on the GPU where marked): offloaded updates start speculatively during backward
+with a clip coefficient of 1 and are committed, or redone from the untouched state, once step()
+knows the global norm. Every branch must give the waiting path's bits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import trainstream
+from tiny_models import TinyLM, param_groups
+
+# max_grad_norm per step: hits, a mispredicted clip (miss), a wait after it, hits again
+THRESHOLDS = [1e9, 1e9, 1e-3, 1e-3, 1e9, 1e9, 1e9]
+
+
+def run(*, speculate: bool, acc: int = 1, dtype=torch.float32, placement="offload", in_vram=None,
+        thresholds=THRESHOLDS, device="cpu"):
+    """Trains a few steps with max_grad_norm changed per step; returns losses, norms, weights,
+    optimizer state and the optimizer. On CUDA under bf16 autocast (fp32 weights' gradients then
+    cross as bf16)."""
+    torch.manual_seed(0)
+    model = TinyLM().to(device, dtype)
+    opt = torch.optim.AdamW(param_groups(model), lr=3e-3, betas=(0.9, 0.95))
+    model, opt = trainstream.wrap(model, opt, max_grad_norm=thresholds[0], accumulation_steps=acc,
+                                  placement=placement, accumulate_in_vram=in_vram)
+    opt.speculative_clipping = speculate
+    g = torch.Generator(device=device).manual_seed(1)
+    losses, norms = [], []
+    for threshold in thresholds:
+        opt.max_grad_norm = threshold
+        for _ in range(acc):
+            with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
+                loss = model.loss(torch.randint(0, 97, (4, 17), generator=g, device=device)) / acc
+            loss.backward()
+            losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+        norms.append(opt.last_grad_norm)
+    opt.synchronize()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    moments = [{k: v.clone() for k, v in opt.state[p].items()} for p in model.parameters() if p in opt.state]
+    return losses, norms, state, moments, opt
+
+
+def assert_same_bits(a, b):
+    assert a[0] == b[0]  # losses
+    assert a[1] == b[1]  # norms
+    for k in a[2]:
+        assert torch.equal(a[2][k], b[2][k]), k
+    assert len(a[3]) == len(b[3])
+    for x, y in zip(a[3], b[3]):
+        assert x.keys() == y.keys()
+        for k in x:
+            assert torch.equal(x[k], y[k]), k
+
+
+@pytest.mark.parametrize("acc,dtype,in_vram,placement", [
+    (1, torch.float32, None, "offload"),
+    (4, torch.float32, True, "offload"),
+    (1, torch.bfloat16, None, "offload"),
+    (4, torch.bfloat16, None, "offload"),  # bf16: host sums, which wait for the norm
+    (1, torch.float32, None, 0.5),  # one global norm over resident and offloaded parts
+], ids=["fp32", "fp32-acc4-vram-sums", "bf16", "bf16-acc4-host-sums", "fp32-half-resident"])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_speculation_gives_the_waiting_paths_bits(acc, dtype, in_vram, placement, device):
+    waiting = run(speculate=False, acc=acc, dtype=dtype, placement=placement, in_vram=in_vram, device=device)
+    speculating = run(speculate=True, acc=acc, dtype=dtype, placement=placement, in_vram=in_vram, device=device)
+    assert_same_bits(waiting, speculating)
+    spec = speculating[4].report()["speculation"]
+    if acc > 1 and dtype == torch.bfloat16:
+        assert spec["params"] == 0 and spec["hits"] == 0  # host-summed: nothing to speculate on
+        return
+    assert spec["params"] > 0 and spec["host_bytes"] > 0
+    # steps 1-2 hit, 3 misses (predicted no clip), 4 waits (3 clipped), 5 waits (4 clipped), 6-7 hit
+    assert (spec["hits"], spec["misses"], spec["waited"]) == (4, 1, 2)
+    assert waiting[4].report()["speculation"]["hits"] == 0
+
+
+def test_state_dict_after_commits_holds_the_committed_state_and_resumes_identically():
+    """The state's views follow each commit's swap: state_dict() reads the committed moments, and
+    a checkpoint loaded into a freshly wrapped model continues with the waiting path's bits."""
+    waiting, speculating = run(speculate=False), run(speculate=True)
+    saved = speculating[4].state_dict()
+    for i, entry in waiting[4].state_dict()["state"].items():
+        for key, value in entry.items():
+            assert torch.equal(value, saved["state"][i][key]), key
+
+    def resume(state, opt_state, speculate):
+        torch.manual_seed(5)  # other initial weights: the checkpoint must overwrite them
+        model = TinyLM()
+        opt = torch.optim.AdamW(param_groups(model), lr=3e-3, betas=(0.9, 0.95))
+        model, opt = trainstream.wrap(model, opt, max_grad_norm=1e9, placement="offload")
+        opt.speculative_clipping = speculate
+        model.load_state_dict(state)
+        opt.load_state_dict(opt_state)
+        g = torch.Generator().manual_seed(3)
+        for _ in range(3):
+            model.loss(torch.randint(0, 97, (4, 17), generator=g)).backward()
+            opt.step()
+            opt.zero_grad()
+        opt.synchronize()
+        assert opt.report()["speculation"]["hits"] == (3 if speculate else 0)
+        return [p.clone() for p in model.parameters()]
+
+    for a, b in zip(resume(waiting[2], waiting[4].state_dict(), False), resume(speculating[2], saved, True)):
+        assert torch.equal(a, b)
+
+
+def test_non_finite_norm_commits_nothing_speculative():
+    results = []
+    for speculate in (False, True):
+        torch.manual_seed(0)
+        model = TinyLM()
+        opt = torch.optim.AdamW(param_groups(model), lr=3e-3)
+        model, opt = trainstream.wrap(model, opt, max_grad_norm=1e9, placement="offload")
+        opt.speculative_clipping = speculate
+        tokens = torch.randint(0, 97, (4, 17), generator=torch.Generator().manual_seed(2))
+        model.loss(tokens).backward()
+        opt.step()
+        opt.zero_grad()
+        (model.loss(tokens) * float("inf")).backward()  # every gradient non-finite
+        opt.step()
+        opt.zero_grad()
+        opt.synchronize()
+        assert not torch.isfinite(torch.tensor(opt.last_grad_norm))
+        results.append(([p.clone() for p in model.parameters()], opt.report()["speculation"]))
+    for a, b in zip(results[0][0], results[1][0]):
+        assert torch.equal(a.detach().view(torch.int32), b.detach().view(torch.int32))  # NaNs too
+    assert results[1][1]["hits"] == 1 and results[1][1]["misses"] == 1
+
+
+def test_speculation_is_not_used_without_clipping_or_when_switched_off():
+    *_, opt = run(speculate=True, thresholds=[None, None])
+    assert opt.report()["speculation"] == {"params": 0, "host_bytes": 0, "hits": 0, "misses": 0, "waited": 0}
+    *_, opt = run(speculate=False, thresholds=[1e9, 1e9])
+    spec = opt.report()["speculation"]
+    assert spec["params"] > 0 and spec["hits"] == spec["misses"] == 0
