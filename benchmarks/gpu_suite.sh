@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Build, test and benchmark on a CUDA machine in one go; logs and JSON land in $1 (default ./gpu-results).
 #   bash benchmarks/gpu_suite.sh [OUTDIR] [STAGES]
-# STAGES: comma list of build,tests,verify,adamw,step,placement,timeline,paging,large,sanitize
+# STAGES: comma list of build,tests,verify,adamw,step,placement,timeline,paging,large,sanitize,
+#         clipping,compile,hf
 #         (default: build,tests,verify,adamw,step)
 set -uo pipefail
 out="${1:-gpu-results}"
@@ -42,6 +43,19 @@ if has step; then
     python3 "$repo/benchmarks/train_step.py" --acc "$acc" --steps "$steps" --modes "$modes" \
       --json "$out/step_acc$acc.json" 2>&1 | tail -10
   done
+fi
+if has clipping; then  # clipped offloaded updates: speculated (norm under the threshold), clipping every step, waiting
+  python3 "$repo/benchmarks/train_step.py" --acc 1 --steps 20 --clip 1.0 --modes \
+gpu-adamw+noclip,gpu-adamw,trainstream+offload+noclip,trainstream+offload+clip1e9,trainstream+offload+clip1e9+waitclip,\
+trainstream+offload,trainstream+offload+waitclip,trainstream --json "$out/clipping.json" 2>&1 | grep -A12 "^NVIDIA"
+fi
+if has compile; then  # torch.compile before and after wrap() at accumulation 8, against compiled stock AdamW
+  python3 "$repo/benchmarks/train_step.py" --acc 8 --steps 6 --warmup 3 --clip 1.0 --modes \
+gpu-adamw,trainstream,trainstream+vramacc,gpu-adamw+compile,trainstream+compile,trainstream+compileafter,\
+trainstream+vramacc+compile --json "$out/compile_acc8.json" 2>&1 | grep -A12 "^NVIDIA"
+fi
+if has hf; then  # the Hugging Face Trainer with its defaults (max_grad_norm=1.0, bf16=True), stock against ours
+  python3 "$repo/benchmarks/hf_trainer.py" --accs 1,8 --compile off,on --json "$out/hf_trainer.json" 2>&1 | grep -A12 "^NVIDIA"
 fi
 if has placement; then  # step time against a VRAM cap, TrainStream with no option but clipping, beside the peers
   for acc in 1 8; do

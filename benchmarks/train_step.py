@@ -109,9 +109,17 @@ def run_mode(mode: str, args) -> dict:
     # '+pageonly' meets a VRAM budget by paging alone (no recomputed blocks), '+t12' runs the host
     # engine on 12 threads instead of every CPU, '+master' keeps fp32 masters on the host and
     # uploads them instead of update terms.
+    # '+waitclip' makes clipped host updates wait for the global norm instead of speculating.
     # '+ckpt' or '+save_on_cpu' may come with one of TrainStream's variants: 'trainstream+ckpt+auto'.
+    # On any mode: '+compile' compiles the model (torch.compile, default mode) before the optimizer
+    # is built or wrapped, '+compileafter' after wrap(); '+noclip' or '+clipX' (e.g. +clip1e9)
+    # replace --clip for that mode.
     threads = next((int(e[1:]) for e in extras if re.fullmatch(r"t\d+", e)), 0)
-    knobs = {e for e in extras if e in ("fp32grads", "everygate", "pageonly", "master", "offload", f"t{threads}")}
+    clips = [e for e in extras if e == "noclip" or re.fullmatch(r"clip[0-9.e+-]+", e)]
+    clip = args.clip if not clips else None if clips[0] == "noclip" else float(clips[0][4:])
+    compiling = [e for e in extras if e in ("compile", "compileafter")]
+    knobs = {e for e in extras if e in ("fp32grads", "everygate", "pageonly", "master", "offload", "waitclip",
+                                        f"t{threads}", *clips, *compiling)}
     keeping = [e for e in extras if e in ("ckpt", "save_on_cpu")]
     variants = [e for e in extras if e not in knobs and e not in keeping]
     if len(variants) > 1 or len(keeping) > 1:
@@ -123,6 +131,9 @@ def run_mode(mode: str, args) -> dict:
         saving = lambda: torch.autograd.graph.save_on_cpu(pin_memory=True)
     if variant not in ("", "paged", "auto", "hostacc", "vramacc"):
         raise ValueError(f"unknown mode {mode}")
+    if compiling == ["compile"]:
+        model = torch.compile(model)
+    torch._dynamo.utils.counters.clear()
     if base == "gpu-adamw":
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=True)
     elif base == "trainstream":
@@ -132,7 +143,7 @@ def run_mode(mode: str, args) -> dict:
             options = dict(placement="offload", accumulate_in_vram=variant == "vramacc", **paging_options(variant, args))
         else:
             options = dict(vram_budget=args.vram_budget)
-        model, opt = trainstream.wrap(model, opt, accumulation_steps=args.acc, max_grad_norm=args.clip,
+        model, opt = trainstream.wrap(model, opt, accumulation_steps=args.acc, max_grad_norm=clip,
                                       recompute="pageonly" not in knobs, threads=threads, **options)
         setup_s = time.perf_counter() - t0
         sync = opt.synchronize
@@ -141,6 +152,7 @@ def run_mode(mode: str, args) -> dict:
         opt.pack_gradients = "fp32grads" not in knobs
         opt._gate_always = "everygate" in knobs
         opt.upload_update_terms = "master" not in knobs
+        opt.speculative_clipping = "waitclip" not in knobs
     elif base == "torchao":
         from torchao.optim import CPUOffloadOptimizer  # skipped when missing
 
@@ -158,6 +170,8 @@ def run_mode(mode: str, args) -> dict:
         opt = types.SimpleNamespace(step=lambda: None, zero_grad=lambda set_to_none=True: None)
     else:
         raise ValueError(f"unknown mode {mode}")
+    if compiling == ["compileafter"]:
+        model = torch.compile(model)
 
     g = torch.Generator(device="cuda").manual_seed(1)
     tokens = torch.randint(0, args.vocab, (args.batch, args.seq), device="cuda", generator=g)
@@ -173,8 +187,8 @@ def run_mode(mode: str, args) -> dict:
             else:
                 (loss / acc).backward()
         if base != "deepspeed":
-            if args.clip is not None and base not in ("trainstream", "no-optimizer"):
-                torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+            if clip is not None and base not in ("trainstream", "no-optimizer"):
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
             opt.step()
             opt.zero_grad(set_to_none=True)
         return loss
@@ -193,8 +207,12 @@ def run_mode(mode: str, args) -> dict:
     result = {
         "mode": mode, "params": params, "step_s": seconds, "loss": float(loss),
         "peak_vram_GB": torch.cuda.max_memory_allocated() / 1e9, "weights_GB": weight_bytes / 1e9,
-        "tokens_per_s": args.batch * args.seq * acc / seconds,
+        "tokens_per_s": args.batch * args.seq * acc / seconds, "max_grad_norm": clip,
     }
+    if compiling:  # where torch.compile split the model, and into how many graphs
+        counters = torch._dynamo.utils.counters
+        result["graph_breaks"] = dict(counters["graph_break"])
+        result["unique_graphs"] = counters["stats"]["unique_graphs"]
     if base == "trainstream":
         result["setup_s"] = setup_s
         result["report"] = opt.report()

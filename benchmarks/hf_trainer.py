@@ -1,0 +1,135 @@
+"""The Hugging Face Trainer as users run it, stock against TrainStreamTrainer, side by side.
+
+    python benchmarks/hf_trainer.py --accs 1,8 --compile off,on --json hf.json
+
+TrainingArguments keep their defaults where users keep them (max_grad_norm=1.0, the AdamW
+settings, the linear schedule) with bf16=True; the model is train_step.py's (the 0.95B Llama at
+batch 4x1024 by default, fp32 weights under bf16 autocast). Step time is the wall time of the
+steps after --warmup, from a callback that waits for the GPU (and TrainStream's host work) at
+both ends; losses are recorded without synchronising and compared at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import tempfile
+import time
+
+import torch
+import transformers
+
+from train_step import add_model_arguments, build_model
+
+
+class RandomTokens(torch.utils.data.Dataset):
+    def __init__(self, n: int, seq: int, vocab: int) -> None:
+        self.ids = torch.randint(0, vocab, (n, seq), generator=torch.Generator().manual_seed(0))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+class Clock(transformers.TrainerCallback):
+    """Times the steps after `warmup`, waiting for the device and the optimizer at both ends."""
+
+    def __init__(self, warmup: int) -> None:
+        self.warmup, self.start, self.end, self.optimizer = warmup, None, None, None
+
+    def _settle(self) -> float:
+        if hasattr(self.optimizer, "synchronize"):
+            self.optimizer.synchronize()
+        torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def on_step_end(self, args, state, control, optimizer=None, **kwargs):
+        self.optimizer = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper
+        if state.global_step == self.warmup:
+            self.start = self._settle()
+            torch.cuda.reset_peak_memory_stats()
+        elif state.global_step == state.max_steps:
+            self.end = self._settle()
+
+
+def recording(trainer_cls):
+    class Recording(trainer_cls):
+        losses: list
+
+        def compute_loss(self, model, inputs, *args, **kwargs):
+            loss = super().compute_loss(model, inputs, *args, **kwargs)
+            self.losses.append((loss[0] if isinstance(loss, tuple) else loss).detach())
+            return loss
+    return Recording
+
+
+def run(kind: str, acc: int, compiled: bool, args) -> dict:
+    from trainstream.integrations.huggingface import TrainStreamTrainer
+
+    torch.manual_seed(0)
+    model = build_model(args, "cuda")
+    steps = args.warmup + args.steps
+    clock = Clock(args.warmup)
+    with tempfile.TemporaryDirectory() as out:
+        training_args = transformers.TrainingArguments(
+            output_dir=out, max_steps=steps, per_device_train_batch_size=args.batch,
+            gradient_accumulation_steps=acc, bf16=True, torch_compile=compiled, save_strategy="no",
+            report_to=[], seed=0, data_seed=0, dataloader_num_workers=0, disable_tqdm=True)
+        trainer_cls = recording(TrainStreamTrainer if kind == "trainstream" else transformers.Trainer)
+        trainer = trainer_cls(model=model, args=training_args, callbacks=[clock],
+                              train_dataset=RandomTokens(steps * args.batch * acc, args.seq, args.vocab))
+        trainer.losses = []
+        trainer.train()
+        losses = torch.stack(trainer.losses).float().view(steps, acc).mean(1).tolist()
+        result = {"trainer": kind, "acc": acc, "compile": compiled,
+                  "step_s": (clock.end - clock.start) / args.steps,
+                  "peak_vram_GB": torch.cuda.max_memory_allocated() / 1e9, "losses": losses}
+        optimizer = clock.optimizer
+        if hasattr(optimizer, "report"):
+            report = optimizer.report()
+            result["placement"] = {k: report["placement"][k] for k in ("resident_params", "offloaded_params")}
+            result["speculation"] = report["speculation"]
+            optimizer.remove_hooks()
+    del trainer, model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return result
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_model_arguments(ap)
+    ap.add_argument("--accs", default="1,8")
+    ap.add_argument("--compile", default="off,on", help="comma list of off, on (TrainingArguments.torch_compile)")
+    ap.add_argument("--trainers", default="stock,trainstream")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=4)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    results = []
+    for acc in (int(a) for a in args.accs.split(",")):
+        for compiled in (c == "on" for c in args.compile.split(",")):
+            for kind in args.trainers.split(","):
+                results.append(run(kind, acc, compiled, args))
+                print(json.dumps({k: v for k, v in results[-1].items() if k != "losses"}), flush=True)
+    print(f"\n{torch.cuda.get_device_name()}  hidden={args.hidden} layers={args.layers} batch={args.batch}x{args.seq}"
+          f" weights={args.weights} bf16=True max_grad_norm=1.0")
+    print(f"{'acc':>4}{'compile':>9}{'trainer':>13}{'step s':>9}{'vs stock':>10}{'peak GB':>9}{'max loss diff':>15}")
+    for r in results:
+        stock = next(s for s in results if s["trainer"] == "stock" and s["acc"] == r["acc"] and s["compile"] == r["compile"])
+        diff = max(abs(a - b) / abs(b) for a, b in zip(r["losses"], stock["losses"]))
+        r["max_rel_loss_diff_vs_stock"] = diff
+        print(f"{r['acc']:>4}{'on' if r['compile'] else 'off':>9}{r['trainer']:>13}{r['step_s']:>9.3f}"
+              f"{r['step_s'] / stock['step_s']:>9.2f}x{r['peak_vram_GB']:>9.2f}{diff:>15.2e}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                       "transformers": transformers.__version__, "results": results}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
