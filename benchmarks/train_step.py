@@ -30,6 +30,7 @@ import types
 import torch
 
 import trainstream
+from trainstream.testing import causal_lm_loss, llama
 
 
 def build_model(args, device) -> torch.nn.Module:
@@ -39,33 +40,10 @@ def build_model(args, device) -> torch.nn.Module:
     torch.set_default_dtype(torch.bfloat16 if args.weights == "bf16" else torch.float32)
     try:
         with torch.device(device):
-            return _new_model(args)
+            return llama(vocab=args.vocab, hidden=args.hidden, layers=args.layers, heads=args.heads, seq=args.seq,
+                         intermediate=args.intermediate)
     finally:
         torch.set_default_dtype(default)
-
-
-def _new_model(args) -> torch.nn.Module:
-    try:
-        from transformers import LlamaConfig, LlamaForCausalLM
-    except ImportError:  # pragma: no cover - transformers is optional
-        sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "tests"))
-        from tiny_models import TinyLM
-
-        return TinyLM(vocab=args.vocab, dim=args.hidden, layers=args.layers, heads=args.heads, seq=args.seq)
-    config = LlamaConfig(
-        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate or int(2.6875 * args.hidden),
-        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.heads,
-        max_position_embeddings=args.seq, tie_word_embeddings=False,
-        use_cache=False,  # training: a KV cache would keep every layer's keys and values in VRAM
-    )
-    config._attn_implementation = "sdpa"
-    return LlamaForCausalLM(config)
-
-
-def loss_of(model, tokens):
-    if hasattr(getattr(model, "module", model), "config"):  # a transformers model, bare or in an engine
-        return model(input_ids=tokens, labels=tokens).loss
-    return model.loss(tokens)
 
 
 def deepspeed_engine(model, args):
@@ -166,7 +144,7 @@ def run_mode(mode: str, args) -> dict:
     def one_step():
         for _ in range(acc):
             with torch.autocast("cuda", dtype=torch.bfloat16, enabled=args.autocast), saving():
-                loss = loss_of(model, tokens)
+                loss = causal_lm_loss(model, tokens)
             if base == "deepspeed":  # the engine divides by acc, then steps and clips at the last micro-batch
                 model.backward(loss)
                 model.step()
