@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
 import gc
 import json
 import os
 import re
+import shlex
 import socket
 import sys
 import time
@@ -277,7 +279,7 @@ def main(argv=None) -> int:
             continue
         ratio = f"{r['step_s'] / base:.2f}x" if base else "-"
         print(f"{r['mode']:<24}{r['params'] / 1e9:>9.2f}B{r['step_s']:>9.3f}{ratio:>8}{r['peak_vram_GB']:>14.2f}{r['loss']:>8.3f}")
-    record = {"args": vars(args), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+    record = {"about": about(argv), "args": vars(args), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
               "trainstream": trainstream.__version__, "results": results}
     if args.json:
         with open(args.json, "w") as f:
@@ -288,20 +290,24 @@ def main(argv=None) -> int:
 
 
 def plot(results, path) -> None:
-    import matplotlib
+    from report import plot_runs  # the drawing report.py redraws the docs' figures with
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plot_runs(results, path)
 
-    done = [r for r in results if "step_s" in r][::-1]  # first mode on top
-    names = [r["mode"] for r in done]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 0.45 * len(done) + 1.2), sharey=True)
-    a.barh(names, [r["step_s"] for r in done], color="#4472c4")
-    a.set_xlabel("seconds per step")
-    b.barh(names, [r["peak_vram_GB"] for r in done], color="#ed7d31")
-    b.set_xlabel("peak VRAM (GB)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+
+def about(argv) -> dict:
+    """When, on what and by which command a run was made: report.py's caption for its table."""
+    cpu = "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    script = os.path.relpath(sys.argv[0]) if sys.argv and sys.argv[0].endswith(".py") else "benchmarks/train_step.py"
+    return {"date": datetime.date.today().isoformat(),
+            "hardware": f"{torch.cuda.get_device_name()}, {len(os.sched_getaffinity(0))} cores of {cpu}",
+            "software": f"torch {torch.__version__}, CUDA {torch.version.cuda}, trainstream {trainstream.__version__}",
+            "command": shlex.join(["python", script, *(sys.argv[1:] if argv is None else argv)])}
 
 
 if __name__ == "__main__":
