@@ -38,6 +38,14 @@ def test_demo_fails_when_the_runs_disagree(capsys):
     assert capsys.readouterr().out.rstrip().endswith("FAIL: TrainStream and stock AdamW disagree beyond the tolerance")
 
 
+@pytest.mark.gpu
+def test_demo_on_gpu_trains_within_a_budget_beside_stock_adamw():
+    done = cli("demo", "--device", "cuda", "--steps", "8", "--hidden", "256", "--layers", "2", "--batch", "4")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "peak VRAM" in done.stdout and "vram_budget=" in done.stdout
+    assert done.stdout.rstrip().endswith("PASS: TrainStream trained the same model as stock AdamW")
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present")
 def test_demo_on_cuda_without_gpu_says_so():
     done = cli("demo", "--device", "cuda")
