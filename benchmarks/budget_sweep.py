@@ -171,8 +171,8 @@ def main(argv=None) -> int:
         print(f"\n{torch.cuda.get_device_name()}  hidden={args.hidden} layers={args.layers} batch={args.batch}x{args.seq} "
               f"acc={acc} weights={args.weights} clip={args.clip}")
         print(table([r for r in rows if r["acc"] == acc]), flush=True)
-    record = {"args": {k: v for k, v in vars(args).items()}, "gpu": torch.cuda.get_device_name(),
-              "torch": torch.__version__, "results": rows}
+    record = {"about": train_step.about(argv), "args": {k: v for k, v in vars(args).items()},
+              "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "results": rows}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(record, f, indent=1)

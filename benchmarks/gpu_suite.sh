@@ -27,6 +27,7 @@ if has tests; then
 fi
 if has verify; then
   python3 "$repo/examples/verify_ram_offload.py" 2>&1 | tee "$out/verify.log" | tail -22
+  (cd /tmp && python3 -m trainstream demo 2>&1) | tee "$out/demo.log" | tail -25  # README's first command, on the GPU
 fi
 if has adamw; then
   python3 "$repo/benchmarks/adamw_vs_torch.py" --params 268435456 --json 2>&1 | tee "$out/adamw_vs_torch.log" | tail -15

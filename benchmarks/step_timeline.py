@@ -26,12 +26,12 @@ from train_step import (
     add_model_arguments,
     add_paging_arguments,
     build_model,
-    loss_of,
     paging_options,
 )
 
 import trainstream
 from trainstream.activations import find_blocks
+from trainstream.testing import causal_lm_loss
 
 MODES = ("gpu-adamw", "trainstream", "trainstream+vramacc", "trainstream+paged")
 
@@ -98,7 +98,7 @@ def run(args) -> dict:
             if timed_forward:
                 block_marks("forward 0")
             with autocast:
-                loss = loss_of(model, tokens)
+                loss = causal_lm_loss(model, tokens)
             timed_forward = False
             mark(f"backward {i}")
             (loss / args.acc).backward()

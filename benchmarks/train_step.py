@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
 import gc
 import json
 import os
 import re
+import shlex
 import socket
 import sys
 import time
@@ -30,6 +32,7 @@ import types
 import torch
 
 import trainstream
+from trainstream.testing import causal_lm_loss, llama
 
 
 def build_model(args, device) -> torch.nn.Module:
@@ -39,33 +42,10 @@ def build_model(args, device) -> torch.nn.Module:
     torch.set_default_dtype(torch.bfloat16 if args.weights == "bf16" else torch.float32)
     try:
         with torch.device(device):
-            return _new_model(args)
+            return llama(vocab=args.vocab, hidden=args.hidden, layers=args.layers, heads=args.heads, seq=args.seq,
+                         intermediate=args.intermediate)
     finally:
         torch.set_default_dtype(default)
-
-
-def _new_model(args) -> torch.nn.Module:
-    try:
-        from transformers import LlamaConfig, LlamaForCausalLM
-    except ImportError:  # pragma: no cover - transformers is optional
-        sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "tests"))
-        from tiny_models import TinyLM
-
-        return TinyLM(vocab=args.vocab, dim=args.hidden, layers=args.layers, heads=args.heads, seq=args.seq)
-    config = LlamaConfig(
-        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate or int(2.6875 * args.hidden),
-        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.heads,
-        max_position_embeddings=args.seq, tie_word_embeddings=False,
-        use_cache=False,  # training: a KV cache would keep every layer's keys and values in VRAM
-    )
-    config._attn_implementation = "sdpa"
-    return LlamaForCausalLM(config)
-
-
-def loss_of(model, tokens):
-    if hasattr(getattr(model, "module", model), "config"):  # a transformers model, bare or in an engine
-        return model(input_ids=tokens, labels=tokens).loss
-    return model.loss(tokens)
 
 
 def deepspeed_engine(model, args):
@@ -180,7 +160,7 @@ def run_mode(mode: str, args) -> dict:
     def one_step():
         for _ in range(acc):
             with torch.autocast("cuda", dtype=torch.bfloat16, enabled=args.autocast), saving():
-                loss = loss_of(model, tokens)
+                loss = causal_lm_loss(model, tokens)
             if base == "deepspeed":  # the engine divides by acc, then steps and clips at the last micro-batch
                 model.backward(loss)
                 model.step()
@@ -317,7 +297,7 @@ def main(argv=None) -> int:
             continue
         ratio = f"{r['step_s'] / base:.2f}x" if base else "-"
         print(f"{r['mode']:<24}{r['params'] / 1e9:>9.2f}B{r['step_s']:>9.3f}{ratio:>8}{r['peak_vram_GB']:>14.2f}{r['loss']:>8.3f}")
-    record = {"args": vars(args), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+    record = {"about": about(argv), "args": vars(args), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
               "trainstream": trainstream.__version__, "results": results}
     if args.json:
         with open(args.json, "w") as f:
@@ -328,20 +308,24 @@ def main(argv=None) -> int:
 
 
 def plot(results, path) -> None:
-    import matplotlib
+    from report import plot_runs  # the drawing report.py redraws the docs' figures with
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plot_runs(results, path)
 
-    done = [r for r in results if "step_s" in r][::-1]  # first mode on top
-    names = [r["mode"] for r in done]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 0.45 * len(done) + 1.2), sharey=True)
-    a.barh(names, [r["step_s"] for r in done], color="#4472c4")
-    a.set_xlabel("seconds per step")
-    b.barh(names, [r["peak_vram_GB"] for r in done], color="#ed7d31")
-    b.set_xlabel("peak VRAM (GB)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+
+def about(argv) -> dict:
+    """When, on what and by which command a run was made: report.py's caption for its table."""
+    cpu = "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    script = os.path.relpath(sys.argv[0]) if sys.argv and sys.argv[0].endswith(".py") else "benchmarks/train_step.py"
+    return {"date": datetime.date.today().isoformat(),
+            "hardware": f"{torch.cuda.get_device_name()}, {len(os.sched_getaffinity(0))} cores of {cpu}",
+            "software": f"torch {torch.__version__}, CUDA {torch.version.cuda}, trainstream {trainstream.__version__}",
+            "command": shlex.join(["python", script, *(sys.argv[1:] if argv is None else argv)])}
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
     python examples/hf_finetune.py                       # a small Llama built from a config
     python examples/hf_finetune.py --model PATH_OR_NAME  # a local checkpoint or hub name
     python examples/hf_finetune.py --compare             # also run transformers.Trainer
+    python examples/hf_finetune.py --compare --json F    # and write the runs to F (benchmarks/report.py)
 
 The data is random tokens (nothing needs downloading), so the loss shows that the two trainers
 agree rather than that the model learns. With --compare it prints the loss agreement, step time
@@ -12,6 +13,10 @@ and peak VRAM of both. Needs: pip install transformers accelerate.
 from __future__ import annotations
 
 import argparse
+import datetime
+import json
+import shlex
+import sys
 import tempfile
 import time
 
@@ -82,6 +87,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--compare", action="store_true", help="also run the stock transformers.Trainer")
+    ap.add_argument("--json", default=None, help="write the runs (and the loss agreement) to this file")
     args = ap.parse_args(argv)
 
     runs = {}
@@ -93,10 +99,17 @@ def main(argv=None) -> int:
         vram = f"{r['peak_vram_GB']:.2f} GB" if r["peak_vram_GB"] is not None else "n/a (CPU)"
         print(f"{name:<12} {r['seconds_per_step']:.3f} s/step  peak VRAM {vram}  "
               f"final loss {r['losses'][-1]:.4f}")
+    worst = None
     if args.compare:
         ours, stock = runs["trainstream"]["losses"], runs["stock"]["losses"]
         worst = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(ours, stock))
         print(f"loss agreement over {len(ours)} steps: max relative difference {worst:.2e}")
+    if args.json:
+        hardware = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU only"
+        about = {"date": datetime.date.today().isoformat(), "hardware": hardware,
+                 "command": shlex.join(["python", "examples/hf_finetune.py", *(sys.argv[1:] if argv is None else argv)])}
+        with open(args.json, "w") as f:
+            json.dump({"about": about, "args": vars(args), "runs": runs, "loss_max_rel_diff": worst}, f, indent=1)
     return 0
 
 

@@ -8,13 +8,13 @@ import warnings
 
 import pytest
 import torch
-from tiny_models import TinyLM
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import trainstream
 from trainstream import activations
 from trainstream.activations import Plan, Profile, find_blocks, parse_bytes, plan_paging
+from trainstream.testing import TinyLM
 
 
 @pytest.fixture(autouse=True)

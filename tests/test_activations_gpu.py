@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import TinyLM
 
 import trainstream
 from trainstream.activations import ActivationPager, Plan
+from trainstream.testing import TinyLM
 
 pytestmark = pytest.mark.gpu
 

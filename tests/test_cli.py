@@ -1,4 +1,4 @@
-"""`python -m trainstream`: info, bench and verify on a machine without a GPU."""
+"""`python -m trainstream`: demo, info, bench and verify on a machine without a GPU."""
 
 from __future__ import annotations
 
@@ -13,6 +13,43 @@ import torch
 def cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "trainstream", *args], capture_output=True, text=True,
                           timeout=timeout)
+
+
+def test_demo_trains_beside_stock_adamw_and_agrees():
+    done = cli("demo", "--steps", "6")
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = done.stdout
+    assert "[1/2] stock PyTorch" in out and "[2/2] TrainStream" in out
+    assert out.count("      6 ") == 2  # the last step's progress line, once per run
+    assert "where memory lives" in out and "offloaded" in out
+    assert "agreement: largest relative loss difference" in out
+    assert out.rstrip().endswith("PASS: TrainStream trained the same model as stock AdamW")
+
+
+def test_demo_fails_when_the_runs_disagree(capsys):
+    from trainstream.demo import Run, summarize
+
+    weights = [torch.zeros(3)]
+    stock = Run("stock", losses=[4.0, 3.0], seconds=[0.1, 0.1], memory=["m"], weights=weights)
+    same = Run("trainstream", losses=[4.0, 3.0], seconds=[0.1, 0.1], memory=["m"], weights=weights)
+    off = Run("trainstream", losses=[4.0, 3.01], seconds=[0.1, 0.1], memory=["m"], weights=weights)
+    assert summarize(stock, same, cuda=False) == 0
+    assert summarize(stock, off, cuda=False) == 1
+    assert capsys.readouterr().out.rstrip().endswith("FAIL: TrainStream and stock AdamW disagree beyond the tolerance")
+
+
+@pytest.mark.gpu
+def test_demo_on_gpu_trains_within_a_budget_beside_stock_adamw():
+    done = cli("demo", "--device", "cuda", "--steps", "8", "--hidden", "256", "--layers", "2", "--batch", "4")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "peak VRAM" in done.stdout and "vram_budget=" in done.stdout
+    assert done.stdout.rstrip().endswith("PASS: TrainStream trained the same model as stock AdamW")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present")
+def test_demo_on_cuda_without_gpu_says_so():
+    done = cli("demo", "--device", "cuda")
+    assert done.returncode == 2 and "needs a CUDA GPU" in done.stderr
 
 
 def test_info_reports_versions_and_host():

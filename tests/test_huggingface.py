@@ -73,9 +73,14 @@ def test_finetune_example_runs_side_by_side(tmp_path):
 
     script = Path(__file__).resolve().parents[1] / "examples" / "hf_finetune.py"
     done = subprocess.run([sys.executable, str(script), "--hidden", "64", "--layers", "2", "--seq", "32",
-                           "--vocab", "500", "--steps", "3", "--compare"],
+                           "--vocab", "500", "--steps", "3", "--compare", "--json", "runs.json"],
                           capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "loss agreement over 3 steps" in done.stdout
     worst = float(done.stdout.split("max relative difference")[1].split()[0])
     assert worst <= 1e-5
+    import json
+
+    record = json.loads((tmp_path / "runs.json").read_text())  # what benchmarks/report.py reads
+    assert record["about"]["command"].startswith("python examples/hf_finetune.py --hidden 64")
+    assert record["runs"]["stock"]["seconds_per_step"] > 0 and record["loss_max_rel_diff"] <= 1e-5

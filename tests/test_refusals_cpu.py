@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import trainstream
-from tiny_models import TinyLM
+from trainstream.testing import TinyLM
 
 
 @pytest.fixture

@@ -1,25 +1,37 @@
-"""benchmarks/step_timeline.py on the CPU: every mode runs, and the phases account for the step."""
+"""benchmarks/step_timeline.py on the CPU, run as a script: every mode runs, and the phases
+account for the step."""
 
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import step_timeline
-
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "step_timeline.py"
+MODES = ("gpu-adamw", "trainstream", "trainstream+vramacc", "trainstream+paged")
 TINY = ["--device", "cpu", "--hidden", "64", "--layers", "2", "--heads", "4", "--intermediate", "128",
         "--vocab", "128", "--batch", "2", "--seq", "16", "--warmup", "1", "--steps", "2"]
 
 
-@pytest.mark.parametrize("mode", step_timeline.MODES)
-def test_timeline_accounts_for_every_micro_batch(mode, tmp_path, capsys):
+def timeline(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=300)
+
+
+def test_the_modes_are_the_scripts():
+    done = timeline("--help")
+    assert done.returncode == 0, done.stderr
+    assert "{" + ",".join(MODES) + "}" in done.stdout
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_timeline_accounts_for_every_micro_batch(mode, tmp_path):
     out = tmp_path / "timeline.json"
-    assert step_timeline.main([*TINY, "--mode", mode, "--acc", "3", "--json", str(out)]) == 0
+    done = timeline(*TINY, "--mode", mode, "--acc", "3", "--json", str(out))
+    assert done.returncode == 0, done.stderr
     result = json.loads(out.read_text())
     assert result["mode"] == mode and len(result["steps"]) == 2
     for step in result["steps"]:
@@ -30,19 +42,19 @@ def test_timeline_accounts_for_every_micro_batch(mode, tmp_path, capsys):
         assert sum(p["host_ms"] for p in step["phases"]) == pytest.approx(step["step_host_ms"])
         starts = step["block_starts_host_ms"]  # both layers, in order, within the first forward
         assert len(starts) == 2 and 0 < starts[0] < starts[1] < step["phases"][0]["host_ms"]
-    printed = capsys.readouterr().out
-    assert printed.count("whole step") == 2 and "GPU ms" not in printed
-    assert printed.count("blocks start, host ms") == 2
+    assert done.stdout.count("whole step") == 2 and "GPU ms" not in done.stdout
+    assert done.stdout.count("blocks start, host ms") == 2
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present")
-def test_cuda_without_gpu_says_so(capsys):
-    assert step_timeline.main(["--device", "cuda"]) == 2
-    assert "needs a CUDA GPU" in capsys.readouterr().err
+def test_cuda_without_gpu_says_so():
+    done = timeline("--device", "cuda")
+    assert done.returncode == 2
+    assert "needs a CUDA GPU" in done.stderr
 
 
 def test_paged_mode_takes_a_share_of_activations(tmp_path):
     out = tmp_path / "timeline.json"
-    args = [*TINY, "--layers", "3", "--mode", "trainstream+paged", "--activations", "0.5", "--json", str(out)]
-    assert step_timeline.main(args) == 0
+    done = timeline(*TINY, "--layers", "3", "--mode", "trainstream+paged", "--activations", "0.5", "--json", str(out))
+    assert done.returncode == 0, done.stderr
     assert json.loads(out.read_text())["mode"] == "trainstream+paged"

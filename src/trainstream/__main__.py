@@ -1,5 +1,7 @@
 """`python -m trainstream` (or `trainstream`): what this machine offers, and quick checks.
 
+    trainstream demo      a short training run, stock AdamW beside trainstream.wrap(): losses,
+                          step time, where memory lives, and whether the two agree (exit 1 if not)
     trainstream info      versions, CUDA, GPU and PCIe link, measured copy and memory bandwidth,
                           host ISA, threads and RAM
     trainstream verify    where training memory lives, stock AdamW vs TrainStream (PASS/FAIL)
@@ -196,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     p_info = sub.add_parser("info", help="versions, hardware and measured bandwidths")
     p_info.add_argument("--json", action="store_true")
     p_info.add_argument("--quick", action="store_true", help="skip the bandwidth measurements")
+    sub.add_parser("demo", help="a short training run, stock AdamW beside TrainStream", add_help=False)
     sub.add_parser("verify", help="where training memory lives (needs a GPU)", add_help=False)
     p_bench = sub.add_parser("bench", help="host AdamW against torch's fused CPU AdamW")
     p_bench.add_argument("--params", type=int, default=1 << 26)
@@ -210,6 +213,10 @@ def main(argv: list[str] | None = None) -> int:
         from trainstream.verify import main as verify_main
 
         return verify_main(argv[1:])
+    if argv[:1] == ["demo"]:
+        from trainstream.demo import main as demo_main
+
+        return demo_main(argv[1:])
     args = parser.parse_args(argv)
     return {"info": info, "bench": bench}[args.command](args)
 

@@ -1,0 +1,436 @@
+"""Regenerate every results table (and plot) in README.md and docs/ from the benchmarks' JSON.
+
+    python benchmarks/report.py [RESULTS_DIR] [--check] [--plots]
+
+RESULTS_DIR (default docs/results) holds the JSON the benchmark scripts wrote. A document marks
+the place of a table with two comments, `<!-- results:NAME -->` and `<!-- /results:NAME -->`;
+everything between them is replaced by the table NAME rendered from its files in RESULTS_DIR
+(TABLES below), followed by when, on what and by which command it was measured. Running the
+script again changes nothing. With --check it writes nothing and exits 1 if a document is not
+what the JSON gives, or if a results file is shown by no table (a CPU test runs that). With --plots it also redraws the figures in PLOTS
+(needs matplotlib).
+
+A results file is what a script wrote with --json: train_step.py, budget_sweep.py,
+copy_under_load.py, bench_host_adamw, examples/hf_finetune.py; for adamw_vs_torch.py, the JSON
+line it prints. Beside that, "about" says {"date", "hardware", "software", "command", "method",
+"notes", "labels"}: train_step.py and budget_sweep.py write the date, hardware and command
+themselves; add the rest by hand. A file with "columns" and "rows" is a table recorded as it was
+published, for comparisons whose code is gone (what was tried): its "about" has a "method"
+where no exact command survives. Any NAME.json of that shape can be placed with a marker.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCUMENTS = ("README.md", "docs/benchmarks.md", "docs/architecture.md")
+MARKER = re.compile(r"(<!-- results:([\w-]+) -->\n)(.*?)(<!-- /results:\2 -->)", re.S)
+
+# What each mode of train_step.py is, in words (a file's about.labels overrides).
+LABELS = {
+    "gpu-adamw": "GPU AdamW (fused), nothing offloaded",
+    "gpu-adamw+ckpt": "PyTorch + gradient checkpointing",
+    "trainstream": "TrainStream",
+    "trainstream+vramacc": "TrainStream, `accumulate_in_vram=True`",
+    "trainstream+auto": 'TrainStream, activations="auto"',
+    "trainstream+paged": "TrainStream, activations paged or recomputed (`+paged`)",
+    "trainstream+ckpt": "TrainStream + gradient checkpointing (Hugging Face, non-reentrant)",
+    "trainstream+save_on_cpu": "TrainStream + torch.autograd.graph.save_on_cpu(pin_memory=True)",
+    "torchao": "torchao CPUOffloadOptimizer",
+    "deepspeed": "DeepSpeed ZeRO-2, optimizer offloaded",
+    "no-optimizer": "no optimizer: forward and backward, each gradient dropped at once",
+}
+
+
+# ------------------------------------------------------------------------------ helpers
+READ: set[str] = set()  # the results files some table was drawn from
+
+
+def load(results: Path, name: str) -> dict:
+    READ.add(name)
+    with open(results / f"{name}.json") as f:
+        return json.load(f)
+
+
+def s(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f} s"
+
+
+def gb(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f} GB"
+
+
+def bold(text: str, on: bool) -> str:
+    return f"**{text}**" if on else text
+
+
+def markdown_table(columns: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(columns) + " |", "| " + " | ".join("---" for _ in columns) + " |"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def caption(records: list[tuple[str, dict]]) -> str:
+    """When, on what and how each file was measured: one paragraph per file, led by its label
+    when a table comes from several."""
+    out = []
+    for label, record in records:
+        about = record.get("about", {})
+        hardware = about.get("hardware") or record.get("gpu") or record.get("cpu") or "hardware not recorded"
+        where = "; ".join(x for x in (hardware, about.get("software")) if x)
+        date = about.get("date") or str(record.get("date", ""))[:10] or "date not recorded"
+        how = f"`{about['command']}`" if about.get("command") else about.get("method", "Command not recorded")
+        how = how[:1].upper() + how[1:]
+        text = f"{label}: " if label else ""
+        text += f"{date}, {where}. {how}."
+        if about.get("notes"):
+            text += " " + about["notes"]
+        out.append(f"<sub>{text}</sub>")
+    return "\n\n".join(out)
+
+
+def model_words(args: dict, params: int | None) -> str:
+    size = f"{params / 1e9:.2f}B Llama-style model" if params else "Llama-style model"
+    weights = "fp32 weights under bf16 autocast" if args.get("weights", "fp32") == "fp32" and args.get(
+        "autocast", True) else f"{args.get('weights', 'fp32')} weights"
+    return f"{size} (hidden {args['hidden']}, {args['layers']} layers), batch {args['batch']}x{args['seq']}, {weights}"
+
+
+def label_of(record: dict, mode: str) -> str:
+    return record.get("about", {}).get("labels", {}).get(mode) or LABELS.get(mode, mode)
+
+
+# ------------------------------------------------------------------------------ tables
+def budget_sweep(results: Path) -> str:
+    """TrainStream with no option but clipping against the peers, one row per VRAM cap."""
+    record = load(results, "budget_sweep")
+    peers = [("trainstream", "TrainStream"), ("gpu-adamw", "PyTorch, fused AdamW"),
+             ("gpu-adamw+ckpt", "PyTorch + gradient checkpointing"), ("torchao", "torchao CPUOffloadOptimizer")]
+    if any(r["mode"] == "deepspeed" for r in record["results"]):
+        peers.append(("deepspeed", "DeepSpeed ZeRO-2 offload"))
+    caps = []
+    for r in record["results"]:
+        if r["cap_GB"] not in caps:
+            caps.append(r["cap_GB"])
+    rows = []
+    for cap in caps:
+        here = {r["mode"]: r for r in record["results"] if r["cap_GB"] == cap}
+        fastest = min((r["step_s"] for r in here.values() if r.get("step_s") is not None), default=None)
+        row = ["none" if cap is None else f"{cap:g} GB"]
+        for mode, _ in peers:
+            r = here.get(mode)
+            if r is None:
+                row.append("-")
+            elif r.get("step_s") is None:
+                row.append((r.get("error") or r.get("skipped") or "failed").split(":")[0])
+            else:
+                cell = bold(s(r["step_s"]), r["step_s"] == fastest) + f", {gb(r['peak_vram_GB'])}"
+                row.append(cell + (f" ({r['placement']})" if r.get("placement") else ""))
+        rows.append(row)
+    args = record["args"]
+    params = next((r["params"] for r in record["results"] if r.get("params")), None)
+    intro = (f"Step time and peak VRAM; {model_words(args, params)}, `max_grad_norm={args['clip']}`, "
+             f"accumulation {args['acc']}. The cap is `torch.cuda.set_per_process_memory_fraction`; "
+             f"TrainStream is wrapped with `max_grad_norm` alone. Fastest in bold.")
+    return "\n\n".join([intro, markdown_table(["VRAM cap"] + [name for _, name in peers], rows),
+                        caption([("", record)])])
+
+
+def adamw_vs_torch(results: Path) -> str:
+    r = load(results, "adamw_vs_torch")
+    forms = [("trainstream", f"trainstream ({r['isa']})"), ("torch_fused", "torch.optim.AdamW, fused=True"),
+             ("torch_foreach", "torch.optim.AdamW, foreach"), ("torch_for", "torch.optim.AdamW, for-loop")]
+    best = min(r[f"{k}_ns_per_param"] for k, _ in forms if r.get(f"{k}_ns_per_param"))
+    rows = []
+    for key, name in forms:
+        ns = r.get(f"{key}_ns_per_param")
+        if ns is None:
+            rows.append([name, "skipped", "-"])
+            continue
+        gbps = f"{28 / ns:.1f}"
+        if key == "trainstream":
+            gbps += f" ({100 * 28 / ns / r['triad_GBps']:.0f}% of the {r['triad_GBps']:.0f} GB/s triad of the same run)"
+        rows.append([name, bold(f"{ns:.3f}", ns == best), gbps])
+    intro = f"{r['params'] / 1e6:.0f}M fp32 parameters, {r['threads']} threads; lower ns/param is better."
+    reference = {"torch_for": "for-loop", "torch_foreach": "foreach"}[r["max_abs_diff_reference"]]
+    diff = (f"Largest weight difference from torch's {reference} AdamW after {r['steps'] + 1} steps: "
+            f"{r['max_abs_diff']:.1e}.")
+    return "\n\n".join([intro, markdown_table(["optimizer", "ns/param", "GB/s at 28 B/param"], rows), diff,
+                        caption([("", r)])])
+
+
+def engine_update_term(results: Path) -> str:
+    r = load(results, "engine_update_term")
+    rows = [[f"{x['grad']} gradients", "new weights" if x["output"] == "weights" else "update term",
+             f"{x['bytes_per_param']:.0f}", f"{x['ns_per_param']:.4f}", f"{x['GBps']:.0f}",
+             f"{x['triad_GBps']:.0f}" if x.get("triad_GBps") else "-"] for x in r["rows"]]
+    return "\n\n".join([markdown_table(["gradients", "host writes", "bytes/param", "ns/param", "GB/s", "triad GB/s"],
+                                       rows), caption([("", r)])])
+
+
+def engine_threads(results: Path) -> str:
+    r = load(results, "engine_threads")
+    rows = [[str(x["threads"]), f"{x['GBps']:.1f}", f"{x['ns_per_param']:.4f}"] for x in r["rows"]]
+    return "\n\n".join([markdown_table(["threads", "GB/s", "ns/param"], rows), caption([("", r)])])
+
+
+def runs(name: str):
+    """A train_step.py file as it ran: one row per mode, step time against the first GPU AdamW
+    run (or the first mode) and peak VRAM; the fastest offloading mode in bold."""
+    def render(results: Path) -> str:
+        record = load(results, name)
+        done = [r for r in record["results"] if r.get("step_s") is not None]
+        base = next((r["step_s"] for r in done if r["mode"] == "gpu-adamw"), done[0]["step_s"] if done else None)
+        others = [r["step_s"] for r in done if r["mode"] != "gpu-adamw"]
+        fastest = min(others) if others else None
+        rows = []
+        for r in record["results"]:
+            if r.get("step_s") is None:
+                rows.append([label_of(record, r["mode"]), r.get("error") or "-", "-", gb(r.get("peak_vram_GB"))])
+                continue
+            rows.append([label_of(record, r["mode"]),
+                         bold(s(r["step_s"]), r["mode"] != "gpu-adamw" and r["step_s"] == fastest),
+                         f"{r['step_s'] / base:.2f}x" if base else "-", gb(r.get("peak_vram_GB"))])
+        params = next((r["params"] for r in record["results"] if r.get("params")), None)
+        intro = f"{model_words(record['args'], params)}, accumulation {record['args']['acc']}."
+        table = markdown_table(["mode", "step", "vs GPU AdamW", "peak VRAM"], rows)
+        return "\n\n".join([intro, table, caption([("", record)])])
+    return render
+
+
+def accumulation(results: Path) -> str:
+    """Update terms against uploaded masters, by accumulation; repeated modes are repeated runs."""
+    records = [load(results, n) for n in ("step_acc1", "step_acc8", "step_acc32")]
+    rows = []
+    for record in records:
+        acc = record["args"]["acc"]
+        by = {"gpu": [], "terms": [], "master": []}
+        for r in record["results"]:
+            kind = "gpu" if r["mode"] == "gpu-adamw" else "master" if "master" in r["mode"].split("+") else "terms"
+            by[kind].append(r)
+        ref = statistics.mean(r["step_s"] for r in by["gpu"])
+
+        def cell(rs: list[dict], ratio: bool = False, strong: bool = False) -> str:
+            if not rs:
+                return "-"
+            times = " and ".join(f"{r['step_s']:.3f} s" + (f" ({r['step_s'] / ref:.2f}x)" if ratio else "") for r in rs)
+            peaks = sorted({r["peak_vram_GB"] for r in rs if r.get("peak_vram_GB") is not None})
+            return bold(times, strong) + (" at " + " and ".join(gb(p) for p in peaks) if peaks else "")
+
+        vram = any("vramacc" in r["mode"] for r in record["results"])
+        rows.append([f"{acc}" + (", summed in VRAM" if vram else ""), cell(by["gpu"]),
+                     cell(by["terms"], ratio=True, strong=True), cell(by["master"])])
+    table = markdown_table(["accumulation", "GPU AdamW", "TrainStream (x GPU AdamW's mean)",
+                            "TrainStream uploading fp32 masters (`+master`)"], rows)
+    intro = f"{model_words(records[0]['args'], records[0]['results'][0]['params'])}; modes alternating in one process."
+    return "\n\n".join([intro, table, caption([(f"accumulation {r['args']['acc']}", r) for r in records])])
+
+
+def activation_budget(results: Path) -> str:
+    records = [load(results, n) for n in ("activation_budget_fp32", "activation_budget_bf16")]
+    rows = []
+    for record in records:
+        by = {r["mode"]: r for r in record["results"]}
+        off = by["trainstream"]["step_s"]
+        budgeted = [by[m]["step_s"] for m in ("trainstream+paged", "trainstream+paged+pageonly")]
+
+        def cell(r: dict, ratio: bool) -> str:
+            text = s(r["step_s"]) + (f" ({r['step_s'] / off:.2f}x)" if ratio else "") + f", {gb(r['peak_vram_GB'])}"
+            text = bold(text, ratio and r["step_s"] == min(budgeted))
+            if r.get("expected_peak_GB") is not None:
+                text += f" (expected {gb(r['expected_peak_GB'])})"
+            return text + (f": {r['note']}" if r.get("note") else "")
+
+        rows.append([record["args"]["weights"], cell(by["trainstream"], False), cell(by["trainstream+paged"], True),
+                     cell(by["trainstream+paged+pageonly"], True)])
+    budget = records[0]["args"]["vram_budget"]
+    table = markdown_table(["weights", 'activations="off"', f'vram_budget="{budget}"',
+                            "the same budget, paging only (`recompute=False`)"], rows)
+    intro = (f"{model_words(records[0]['args'], records[0]['results'][0]['params'])}, accumulation 1, every "
+             f"parameter offloaded. Step time (x the run without paging), peak VRAM, what the policy chose.")
+    return "\n\n".join([intro, table, caption([(f"{r['args']['weights']} weights", r) for r in records])])
+
+
+def activation_ways(results: Path) -> str:
+    records = [load(results, n) for n in ("activation_ways_fp32", "activation_ways_bf16")]
+    modes = []
+    for record in records:
+        modes += [r["mode"] for r in record["results"] if r["mode"] not in modes]
+    rows = []
+    for mode in modes:
+        budget = records[0]["args"].get("vram_budget")
+        row = [f'TrainStream, vram_budget="{budget}", paging only' if mode == "trainstream+paged"
+               else label_of(records[0], mode)]
+        for record in records:
+            r = next((x for x in record["results"] if x["mode"] == mode), None)
+            row.append("-" if r is None else f"{s(r['step_s'])}, {gb(r['peak_vram_GB'])}"
+                       + (f" ({r['note']})" if r.get("note") else ""))
+        rows.append(row)
+    table = markdown_table(["how activations are kept", "fp32 weights", "bf16 weights"], rows)
+    intro = (f"{model_words(records[0]['args'], records[0]['results'][0]['params'])} (bf16 weights in the last "
+             f"column), accumulation 1; step time and peak VRAM.")
+    return "\n\n".join([intro, table, caption([(f"{r['args']['weights']} weights", r) for r in records])])
+
+
+def large_models(results: Path) -> str:
+    names = ("large_4b_fp32", "large_5b_bf16", "large_6b_bf16", "large_4b_fp32_recompute")
+    records = [load(results, n) for n in names]
+    rows = []
+    for record in records:
+        a = record["args"]
+        ours = next(r for r in record["results"] if r["mode"].startswith("trainstream"))
+        peer = next((r for r in record["results"] if r["mode"] == "gpu-adamw"), None)
+        weights = "fp32 weights, bf16 autocast" if a["weights"] == "fp32" else "bf16 weights"
+        paged = f"{ours['activations_paged_GB']:g} GB" + (f" ({ours['note']})" if ours.get("note") else "")
+        setup = f"{ours['setup_s']:.0f} s" if ours.get("setup_s") is not None else "-"
+        rows.append([f"{ours['params'] / 1e9:.2f}B, {weights}, batch {a['batch']}x{a['seq']}",
+                     f"{ours['step_s']:.3f} s/step, peak {gb(ours['peak_vram_GB'])}", paged, setup,
+                     "-" if peer is None else peer.get("error", s(peer.get("step_s")))])
+    table = markdown_table(["model", "TrainStream", "activations paged per step", "set-up", "GPU AdamW"], rows)
+    intro = (f"Llama with {records[0]['args']['hidden']}-wide layers (intermediate "
+             f"{records[0]['args']['intermediate']}) under a {records[0]['args']['vram_cap_gb']:g} GB VRAM cap.")
+    return "\n\n".join([intro, table, caption([(f"row {i + 1}", r) for i, r in enumerate(records)])])
+
+
+def hf_finetune(results: Path) -> str:
+    r = load(results, "hf_finetune")
+    rows = [[name, f"{run['seconds_per_step']:.3f} s", gb(run.get("peak_vram_GB"))]
+            for name, run in (("TrainStreamTrainer", r["runs"]["trainstream"]),
+                              ("transformers.Trainer", r["runs"]["stock"]))]
+    a = r["args"]
+    intro = (f"A small Llama (hidden {a['hidden']}, {a['layers']} layers), batch {a['batch']}x{a['seq']}, "
+             f"accumulation {a['accumulation']}, {a['steps']} steps; losses within "
+             f"{r['loss_max_rel_diff']:.1e} relative of each other.")
+    return "\n\n".join([intro, markdown_table(["trainer", "step", "peak VRAM"], rows), caption([("", r)])])
+
+
+def copy_under_load(results: Path) -> str:
+    records = [load(results, n) for n in ("copy_under_load_a", "copy_under_load_b")]
+
+    def v(x) -> str:
+        return "-" if x is None else f"{x:.1f}"
+
+    rows = []
+    for key, name in (("h2d", "host to device"), ("d2h", "device to host"), ("both", "both at once, each way")):
+        rows.append([f"pinned copy, {name}"] + [v(r[f"copy_GBps_{w}"][key]) for r in records
+                                                   for w in ("alone", "with_engine")])
+    rows.append(["AdamW engine (26 B/param)"] + [v(x) for r in records
+                                                for x in (r["engine_GBps_alone"], r["engine_GBps_with_copies"])])
+    table = markdown_table(["GB/s", "machine 1, alone", "with the other running", "machine 2, alone",
+                            "with the other running"], rows)
+    intro = (f"Pinned copies of {records[0]['copy_bytes'] / 1e9:.0f} GB and the host AdamW engine updating "
+             f"{records[0]['params'] / 1e6:.0f}M parameters on {records[0]['engine_threads']} threads, each alone and "
+             f"both at once (the engine against copies both ways).")
+    return "\n\n".join([intro, table, caption([(f"machine {i + 1}", r) for i, r in enumerate(records)])])
+
+
+def recorded_table(name: str):
+    """A NAME.json with "columns" and "rows": a comparison recorded as it was published."""
+    def render(results: Path) -> str:
+        record = load(results, name)
+        return "\n\n".join([markdown_table(record["columns"], record["rows"]), caption([("", record)])])
+    return render
+
+
+TABLES = {
+    "budget_sweep": budget_sweep,
+    "adamw_vs_torch": adamw_vs_torch,
+    "engine_update_term": engine_update_term,
+    "engine_threads": engine_threads,
+    "peers_acc8": runs("peers_acc8"),
+    "vram_floor": runs("vram_floor"),
+    "accumulation": accumulation,
+    "activation_budget": activation_budget,
+    "activation_ways": activation_ways,
+    "large_models": large_models,
+    "hf_finetune": hf_finetune,
+    "copy_under_load": copy_under_load,
+}
+
+# figure -> (results file, title): train_step.py runs drawn as step time and peak VRAM bars
+PLOTS = {
+    "docs/img/budget_1b.png": "activation_budget_fp32",
+    "docs/img/paging_1b.png": "activation_ways_fp32",
+}
+
+
+def render(name: str, results: Path) -> str:
+    if name in TABLES:
+        return TABLES[name](results)
+    if (results / f"{name}.json").exists():
+        return recorded_table(name)(results)
+    raise SystemExit(f"no table named {name!r}: add it to TABLES or write {results / name}.json with columns and rows")
+
+
+def update(text: str, results: Path) -> str:
+    return MARKER.sub(lambda m: m.group(1) + render(m.group(2), results) + "\n" + m.group(4), text)
+
+
+def plot_runs(runs: list[dict], path: str) -> None:
+    """Step time and peak VRAM of train_step.py's modes as two bar charts, first mode on top."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    done = [r for r in runs if r.get("step_s") is not None][::-1]
+    names = [r["mode"] for r in done]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 0.45 * len(done) + 1.2), sharey=True)
+    a.barh(names, [r["step_s"] for r in done], color="#4472c4")
+    a.set_xlabel("seconds per step")
+    b.barh(names, [r["peak_vram_GB"] for r in done], color="#ed7d31")
+    b.set_xlabel("peak VRAM (GB)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("results", nargs="?", default=str(ROOT / "docs" / "results"), help="the JSON files")
+    ap.add_argument("--root", default=str(ROOT), help="the checkout whose documents are updated")
+    ap.add_argument("--check", action="store_true", help="write nothing; exit 1 if a document is out of date")
+    ap.add_argument("--plots", action="store_true", help="also redraw " + ", ".join(PLOTS))
+    args = ap.parse_args(argv)
+    results, root = Path(args.results), Path(args.root)
+    stale = []
+    for doc in DOCUMENTS:
+        path = root / doc
+        if not path.exists():
+            continue
+        text = path.read_text()
+        new = update(text, results)
+        if new == text:
+            continue
+        stale.append(doc)
+        if not args.check:
+            path.write_text(new)
+    if args.plots and not args.check:
+        for figure, name in PLOTS.items():
+            plot_runs(load(results, name)["results"], str(root / figure))
+            print(f"drew {figure}")
+    unused = sorted(p.stem for p in results.glob("*.json") if p.stem not in READ)
+    if args.check:
+        if stale:
+            print("out of date with " + str(results) + ": " + ", ".join(stale)
+                  + " (run python benchmarks/report.py to regenerate)", file=sys.stderr)
+        if unused:
+            print("results no table shows (place a marker or remove them): " + ", ".join(unused), file=sys.stderr)
+        if stale or unused:
+            return 1
+        print("every table matches " + str(results))
+        return 0
+    if unused:
+        print("note: results no table shows: " + ", ".join(unused), file=sys.stderr)
+    print("updated " + (", ".join(stale) if stale else "nothing: every table was up to date"))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
