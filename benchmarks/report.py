@@ -351,6 +351,9 @@ TABLES = {
     "large_models": large_models,
     "hf_finetune": hf_finetune,
     "copy_under_load": copy_under_load,
+    "clipping_acc1": runs("clipping_acc1"),
+    "clipping_acc1_streamed": runs("clipping_acc1_streamed"),
+    "compile_acc8": runs("compile_acc8"),
 }
 
 # figure -> (results file, title): train_step.py runs drawn as step time and peak VRAM bars

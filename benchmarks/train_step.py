@@ -189,9 +189,12 @@ def run_mode(mode: str, args) -> dict:
         "peak_vram_GB": torch.cuda.max_memory_allocated() / 1e9, "weights_GB": weight_bytes / 1e9,
         "tokens_per_s": args.batch * args.seq * acc / seconds, "max_grad_norm": clip,
     }
-    if compiling:  # where torch.compile split the model, and into how many graphs
+    if compiling:  # how often torch.compile split the model, at which functions, into how many graphs
         counters = torch._dynamo.utils.counters
-        result["graph_breaks"] = dict(counters["graph_break"])
+        reasons = counters["graph_break"]
+        result["graph_breaks"] = sum(reasons.values())
+        result["graph_break_at"] = sorted({m.group(1).split(".<locals>")[0] for reason in reasons
+                                           for m in [re.search(r"<function (\S+) at", reason)] if m})
         result["unique_graphs"] = counters["stats"]["unique_graphs"]
     if base == "trainstream":
         result["setup_s"] = setup_s

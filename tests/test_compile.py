@@ -12,7 +12,7 @@ from torch import nn
 
 import trainstream
 from trainstream.errors import UnsupportedSetupError
-from tiny_models import TinyLM, param_groups
+from trainstream.testing import TinyLM, param_groups
 
 STEPS = 4
 

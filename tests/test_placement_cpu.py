@@ -17,7 +17,7 @@ import torch
 
 import trainstream
 from trainstream import placement as planner
-from tiny_models import TinyLM, param_groups, warmup_cosine
+from trainstream.testing import TinyLM, param_groups, warmup_cosine
 
 GB = 10**9
 

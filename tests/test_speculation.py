@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import trainstream
-from tiny_models import TinyLM, param_groups
+from trainstream.testing import TinyLM, param_groups
 
 # max_grad_norm per step: hits, a mispredicted clip (miss), a wait after it, hits again
 THRESHOLDS = [1e9, 1e9, 1e-3, 1e-3, 1e9, 1e9, 1e9]

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import trainstream
-from tiny_models import TinyLM, param_groups, warmup_cosine
+from trainstream.testing import TinyLM, param_groups, warmup_cosine
 
 STEPS = 20
 

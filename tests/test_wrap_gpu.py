@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import trainstream
-from tiny_models import TinyLM, param_groups, warmup_cosine
+from trainstream.testing import TinyLM, param_groups, warmup_cosine
 
 pytestmark = pytest.mark.gpu
 
