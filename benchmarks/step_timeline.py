@@ -68,8 +68,9 @@ def run(args) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=fused)
     settle = lambda: None
     if base == "trainstream":
-        model, opt = trainstream.wrap(model, opt, accumulation_steps=args.acc, placement="offload",
-                                      accumulate_in_vram=variant == "vramacc", threads=args.threads,
+        tuning = trainstream.Tuning(placement="offload", accumulate_in_vram=variant == "vramacc",
+                                    threads=args.threads, prefetch_depth=args.prefetch_depth)
+        model, opt = trainstream.wrap(model, opt, accumulation_steps=args.acc, tuning=tuning,
                                       **paging_options(variant, args))
         settle = opt.synchronize
     g = torch.Generator(device=device).manual_seed(1)

@@ -32,6 +32,7 @@ import types
 import torch
 
 import trainstream
+import trainstream._testing as baselines
 from trainstream.testing import causal_lm_loss, llama
 
 
@@ -119,20 +120,21 @@ def run_mode(mode: str, args) -> dict:
     elif base == "trainstream":
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
         t0 = time.perf_counter()
+        tuning = dict(recompute="pageonly" not in knobs, threads=threads, pack_gradients="fp32grads" not in knobs,
+                      upload_update_terms="master" not in knobs, speculative_clipping="waitclip" not in knobs)
         if variant or "offload" in knobs:
-            options = dict(placement="offload", accumulate_in_vram=variant == "vramacc", **paging_options(variant, args))
+            options = paging_options(variant, args)
+            tuning.update(placement="offload", accumulate_in_vram=variant == "vramacc",
+                          prefetch_depth=args.prefetch_depth)
         else:
             options = dict(vram_budget=args.vram_budget)
         model, opt = trainstream.wrap(model, opt, accumulation_steps=args.acc, max_grad_norm=clip,
-                                      recompute="pageonly" not in knobs, threads=threads, **options)
+                                      tuning=trainstream.Tuning(**tuning), **options)
         setup_s = time.perf_counter() - t0
         sync = opt.synchronize
         if variant == "hostacc":  # the comparison baseline: micro-batches added by host threads
-            opt._pipeline.device_accumulate = False
-        opt.pack_gradients = "fp32grads" not in knobs
-        opt._gate_always = "everygate" in knobs
-        opt.upload_update_terms = "master" not in knobs
-        opt.speculative_clipping = "waitclip" not in knobs
+            baselines.add_micro_batches_on_host(opt)
+        baselines.gate_every_forward(opt, "everygate" in knobs)
     elif base == "torchao":
         from torchao.optim import CPUOffloadOptimizer  # skipped when missing
 
@@ -233,10 +235,9 @@ def add_paging_arguments(ap: argparse.ArgumentParser) -> None:
 def paging_options(variant: str, args) -> dict:
     """wrap()'s activation arguments for a trainstream mode's variant ('paged', 'auto' or other)."""
     if variant == "paged":
-        return {"activations": args.activations, "vram_budget": args.vram_budget,
-                "prefetch_depth": args.prefetch_depth}
+        return {"activations": args.activations, "vram_budget": args.vram_budget}
     if variant == "auto":
-        return {"activations": "auto", "prefetch_depth": args.prefetch_depth}
+        return {"activations": "auto"}
     return {"activations": "off"}
 
 

@@ -77,8 +77,10 @@ def test_parse_bytes_refuses(bad):
 ])
 def test_wrap_refuses_bad_activation_options(kwargs, error):
     model = TinyLM()
+    tuning = {k: kwargs.pop(k) for k in ("placement", "recompute") if k in kwargs}
     with pytest.raises(error):
-        trainstream.wrap(model, torch.optim.AdamW(model.parameters()), **kwargs)
+        trainstream.wrap(model, torch.optim.AdamW(model.parameters()), tuning=trainstream.Tuning(**tuning),
+                         **kwargs)
 
 
 def profile(n=8, block_gb=1.0, block_ms=20.0, bw_gbps=50.0, peak_gb=None, input_gb=0.0):

@@ -80,7 +80,7 @@ def test_recomputed_blocks_are_bit_exact(dtype):
 def test_no_leak_over_100_steps():
     model = tiny(torch.float32)
     model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-4), activations=1.0,
-                                  placement="offload")
+                                  tuning=trainstream.Tuning(placement="offload"))
     native = opt.activation_pager._native
     allocated, slots, reserved = [], [], []
     for step in range(100):
@@ -107,8 +107,8 @@ def wrapped_run(steps=4, layers=8, **wrap_kwargs):
 
     Gradients and AdamW state live on the host, so the peak is weights plus activations."""
     model = tiny(torch.float32, dim=1024, layers=layers)
-    model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-4), placement="offload",
-                                  **wrap_kwargs)
+    model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-4),
+                                  **wrap_kwargs, tuning=trainstream.Tuning(placement="offload"))
     for step in range(steps):
         opt.synchronize()
         torch.cuda.synchronize()

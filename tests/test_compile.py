@@ -32,7 +32,8 @@ def lm_loss(model, tokens):
     return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), tokens[:, 1:].reshape(-1))
 
 
-def train(order: str, device: str, backend: str | None = None, size: dict | None = None, **options):
+def train(order: str, device: str, backend: str | None = None, size: dict | None = None,
+          placement="offload", **options):
     """order: 'eager', 'before' (compile, then wrap) or 'after' (wrap, then compile)."""
     torch.manual_seed(0)
     torch._dynamo.reset()
@@ -43,7 +44,8 @@ def train(order: str, device: str, backend: str | None = None, size: dict | None
     compile_options = {"backend": backend} if backend else {}
     if order == "before":
         model = torch.compile(model, **compile_options)
-    model, opt = trainstream.wrap(model, opt, max_grad_norm=1.0, **options)
+    model, opt = trainstream.wrap(model, opt, max_grad_norm=1.0, tuning=trainstream.Tuning(placement=placement),
+                                  **options)
     if order == "after":
         model = torch.compile(model, **compile_options)
     g = torch.Generator(device=device).manual_seed(1)
@@ -78,9 +80,9 @@ def test_cuda_graph_modes_are_refused_with_what_to_use(mode, order):
     opt = torch.optim.AdamW(model.parameters())
     if order == "before":
         with pytest.raises(UnsupportedSetupError, match="default mode"):
-            trainstream.wrap(torch.compile(model, mode=mode), opt, placement="offload")
+            trainstream.wrap(torch.compile(model, mode=mode), opt, tuning=trainstream.Tuning(placement="offload"))
         return
-    model, opt = trainstream.wrap(model, opt, placement="offload")
+    model, opt = trainstream.wrap(model, opt, tuning=trainstream.Tuning(placement="offload"))
     compiled = torch.compile(model, mode=mode)
     with pytest.raises(UnsupportedSetupError, match="reduce-overhead"):
         lm_loss(compiled, torch.randint(0, 97, (2, 9)))

@@ -228,8 +228,8 @@ def test_every_placement_trains_the_same_bits(dtype, acc, clip, autocast):
     runs = {}
     for placement in ("offload", "gpu", 0.5, "auto"):
         model, opt = make(dtype)
-        model, opt = trainstream.wrap(model, opt, max_grad_norm=clip, accumulation_steps=acc, placement=placement,
-                                      track_grad_norm=True)
+        model, opt = trainstream.wrap(model, opt, max_grad_norm=clip, accumulation_steps=acc,
+                                      tuning=trainstream.Tuning(placement=placement, track_grad_norm=True))
         norms = train(model, opt, data, clip, autocast)
         runs[placement] = model, opt, norms
     ref, ref_opt, ref_norms = runs["offload"]
@@ -261,8 +261,8 @@ def test_auto_placement_under_a_budget_mixes_and_trains_the_same_bits():
     assert report["expected_peak_bytes"] <= budget - report["reserve_bytes"]
     assert [p["gradient"] for p in report["params"]][:report["resident_params"]] == ["vram"] * report["resident_params"]
     ref, ref_opt = make()
-    ref, ref_opt = trainstream.wrap(ref, ref_opt, max_grad_norm=1.0, accumulation_steps=2, placement="offload",
-                                    track_grad_norm=True)
+    ref, ref_opt = trainstream.wrap(ref, ref_opt, max_grad_norm=1.0, accumulation_steps=2,
+                                    tuning=trainstream.Tuning(placement="offload", track_grad_norm=True))
     assert train(ref, ref_opt, data, 1.0) == norms
     assert_same_bits(model, opt, ref, ref_opt, "auto under a budget")
     assert "VRAM" in opt.describe()
@@ -291,7 +291,8 @@ def test_a_budget_the_activations_must_meet_pages_or_recomputes_and_trains_the_s
     assert report["state"] == "planned" and report["saved_tensor_hooks"]
     assert {"paged", "recomputed"} & set(report["blocks"])
     ref, ref_opt = big()
-    ref, ref_opt = trainstream.wrap(ref, ref_opt, max_grad_norm=1.0, placement="offload", track_grad_norm=True)
+    ref, ref_opt = trainstream.wrap(ref, ref_opt, max_grad_norm=1.0,
+                                    tuning=trainstream.Tuning(placement="offload", track_grad_norm=True))
     assert train(ref, ref_opt, data, 1.0, autocast=True) == norms
     assert_same_bits(model, opt, ref, ref_opt, "planned activations")
 
@@ -309,7 +310,7 @@ def test_the_plan_is_logged_once(caplog):
 def test_a_checkpoint_loads_into_another_placement(save, load):
     data = batches(8, 1)
     model, opt = make(torch.bfloat16)
-    model, opt = trainstream.wrap(model, opt, placement=save)
+    model, opt = trainstream.wrap(model, opt, tuning=trainstream.Tuning(placement=save))
     train(model, opt, data[:4], None)
     buf = io.BytesIO()
     torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
@@ -317,7 +318,7 @@ def test_a_checkpoint_loads_into_another_placement(save, load):
     buf.seek(0)
     ckpt = torch.load(buf)
     resumed, ropt = make(torch.bfloat16)
-    resumed, ropt = trainstream.wrap(resumed, ropt, placement=load)
+    resumed, ropt = trainstream.wrap(resumed, ropt, tuning=trainstream.Tuning(placement=load))
     resumed.load_state_dict(ckpt["model"])
     ropt.load_state_dict(ckpt["opt"])
     train(resumed, ropt, data[4:], None)
@@ -338,7 +339,7 @@ def test_a_torch_adamw_checkpoint_loads_into_a_resident_placement():
         ref_opt.step()
         ref_opt.zero_grad()
     model, opt = make()
-    model, opt = trainstream.wrap(model, opt, placement="gpu")
+    model, opt = trainstream.wrap(model, opt, tuning=trainstream.Tuning(placement="gpu"))
     model.load_state_dict(ckpt["model"])
     opt.load_state_dict(ckpt["opt"])
     for (tokens,) in data[4:]:
@@ -358,4 +359,4 @@ def test_bad_placements_are_refused():
     for bad in ("everywhere", 1.5, -0.1, True):
         model, opt = make()
         with pytest.raises(ValueError, match="placement"):
-            trainstream.wrap(model, opt, placement=bad)
+            trainstream.wrap(model, opt, tuning=trainstream.Tuning(placement=bad))

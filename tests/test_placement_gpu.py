@@ -144,8 +144,8 @@ def test_every_placement_trains_the_same_bits_on_gpu(dtype, acc, clip):
     runs = {}
     for placement in ("gpu", 0.5, "offload"):
         model, opt = make(dtype, dim=64)
-        model, opt = trainstream.wrap(model, opt, max_grad_norm=clip, accumulation_steps=acc, placement=placement,
-                                      track_grad_norm=True)
+        model, opt = trainstream.wrap(model, opt, max_grad_norm=clip, accumulation_steps=acc,
+                                      tuning=trainstream.Tuning(placement=placement, track_grad_norm=True))
         losses, norms = train(model, opt, 20, acc)
         runs[placement] = model, opt, losses, norms
     ref, ref_opt, ref_losses, ref_norms = runs["offload"]
@@ -261,7 +261,7 @@ def test_a_capped_process_trains_within_its_budget_with_no_option(share):
     assert placement["offloaded_params"] > 0 or placement["saved_tensor_hooks"]
     opt.remove_hooks()
     collected()
-    ref, ref_opt, ref_losses, _ = mid_run(8, placement="offload")
+    ref, ref_opt, ref_losses, _ = mid_run(8, tuning=trainstream.Tuning(placement="offload"))
     assert torch.equal(losses, ref_losses)
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
 
@@ -276,7 +276,7 @@ def test_accumulation_under_a_budget_is_met_and_exact():
     assert {p["window_sum"] for p in placement["params"]} <= {"vram", "host"}
     opt.remove_hooks()
     collected()
-    ref, _, ref_losses, _ = mid_run(8, acc=4, placement="offload")
+    ref, _, ref_losses, _ = mid_run(8, acc=4, tuning=trainstream.Tuning(placement="offload"))
     assert torch.equal(losses, ref_losses)
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
 

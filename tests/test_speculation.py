@@ -23,7 +23,7 @@ def run(*, speculate: bool, acc: int = 1, dtype=torch.float32, placement="offloa
     model = TinyLM().to(device, dtype)
     opt = torch.optim.AdamW(param_groups(model), lr=3e-3, betas=(0.9, 0.95))
     model, opt = trainstream.wrap(model, opt, max_grad_norm=thresholds[0], accumulation_steps=acc,
-                                  placement=placement, accumulate_in_vram=in_vram)
+                                  tuning=trainstream.Tuning(placement=placement, accumulate_in_vram=in_vram))
     opt.speculative_clipping = speculate
     g = torch.Generator(device=device).manual_seed(1)
     losses, norms = [], []
@@ -90,7 +90,7 @@ def test_state_dict_after_commits_holds_the_committed_state_and_resumes_identica
         torch.manual_seed(5)  # other initial weights: the checkpoint must overwrite them
         model = TinyLM()
         opt = torch.optim.AdamW(param_groups(model), lr=3e-3, betas=(0.9, 0.95))
-        model, opt = trainstream.wrap(model, opt, max_grad_norm=1e9, placement="offload")
+        model, opt = trainstream.wrap(model, opt, max_grad_norm=1e9, tuning=trainstream.Tuning(placement="offload"))
         opt.speculative_clipping = speculate
         model.load_state_dict(state)
         opt.load_state_dict(opt_state)
@@ -113,7 +113,7 @@ def test_non_finite_norm_commits_nothing_speculative():
         torch.manual_seed(0)
         model = TinyLM()
         opt = torch.optim.AdamW(param_groups(model), lr=3e-3)
-        model, opt = trainstream.wrap(model, opt, max_grad_norm=1e9, placement="offload")
+        model, opt = trainstream.wrap(model, opt, max_grad_norm=1e9, tuning=trainstream.Tuning(placement="offload"))
         opt.speculative_clipping = speculate
         tokens = torch.randint(0, 97, (4, 17), generator=torch.Generator().manual_seed(2))
         model.loss(tokens).backward()

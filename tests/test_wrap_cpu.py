@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import trainstream
+from trainstream._testing import gate_every_forward
 from trainstream.testing import TinyLM, param_groups, warmup_cosine
 
 STEPS = 20
@@ -68,7 +69,7 @@ def test_parity_with_torch_adamw(acc, clip, in_vram, tol):
     model, opt = make()
     frozen_before = [p.detach().clone() for p in model.blocks[0].parameters()]
     model, opt = trainstream.wrap(model, opt, max_grad_norm=clip, accumulation_steps=acc,
-                                  accumulate_in_vram=in_vram)
+                                  tuning=trainstream.Tuning(accumulate_in_vram=in_vram))
     norms = train(model, opt, data, clip=clip, wrapped=True, sched=warmup_cosine(opt, 5, STEPS))
 
     assert max_diff(ref, model) <= tol
@@ -117,8 +118,8 @@ def test_bf16_exact_gradients_cross_as_bf16_without_changing_a_bit(acc, in_vram,
     runs = {}
     for pack in (True, False):
         model, opt = make(freeze_first_block=False)
-        model, opt = trainstream.wrap(model, opt, accumulation_steps=acc, accumulate_in_vram=in_vram,
-                                      placement="offload", max_grad_norm=clip)
+        model, opt = trainstream.wrap(model, opt, accumulation_steps=acc, max_grad_norm=clip,
+                                      tuning=trainstream.Tuning(accumulate_in_vram=in_vram, placement="offload"))
         opt.pack_gradients = pack
         with torch.autocast("cpu", dtype=torch.bfloat16):  # with clipping the update reads them at step()
             train(model, opt, data, clip=clip, wrapped=True)
@@ -159,7 +160,8 @@ def test_forward_gates_stand_down_once_settled_and_return_with_the_next_update()
     finished, the gates stand down altogether, and queuing the next update wakes them. The hooks
     themselves stay put (torch.compile would recompile for hooks that come and go)."""
     model, opt = make(freeze_first_block=False)
-    model, opt = trainstream.wrap(model, opt, accumulation_steps=4, accumulate_in_vram=True, placement="offload")
+    model, opt = trainstream.wrap(model, opt, accumulation_steps=4,
+                                  tuning=trainstream.Tuning(accumulate_in_vram=True, placement="offload"))
     gated = []
     settled = [False]  # whether the pipeline may report itself settled
 
@@ -207,7 +209,7 @@ def test_forward_gates_stand_down_once_settled_and_return_with_the_next_update()
     assert opt._gates_on
     opt.step()
     opt.synchronize()
-    opt._gate_always = True  # the benchmarks' baseline: gates stay on and every forward waits
+    gate_every_forward(opt)  # the benchmarks' baseline: gates stay awake and every forward waits
     assert window() == ([modules] * 4, [True] * 4)
     opt.step()
     assert pre_hooks() == hooks
@@ -278,7 +280,7 @@ def test_update_terms_give_the_weights_an_uploaded_master_gives_bit_for_bit(acc,
     for how in ("terms", "master", "switched"):
         model, opt = make()
         model, opt = trainstream.wrap(model, opt, max_grad_norm=clip, accumulation_steps=acc,
-                                      accumulate_in_vram=in_vram)
+                                      tuning=trainstream.Tuning(accumulate_in_vram=in_vram))
         assert opt.upload_update_terms  # the default
         opt.upload_update_terms = how == "terms" or how == "switched"
         train(model, opt, data[:3], clip=clip, wrapped=True)
@@ -332,8 +334,8 @@ def test_early_step_with_accumulation_matches_torch(in_vram):
     ref, ref_opt = make()
     ref_norms = train(ref, ref_opt, data, clip=1e9)  # clips nothing; gives the norms
     model, opt = make()
-    model, opt = trainstream.wrap(model, opt, accumulation_steps=4, accumulate_in_vram=in_vram,
-                                  track_grad_norm=True)
+    model, opt = trainstream.wrap(model, opt, accumulation_steps=4,
+                                  tuning=trainstream.Tuning(accumulate_in_vram=in_vram, track_grad_norm=True))
     norms = []
     for micro_batches in data:
         for tokens in micro_batches:
@@ -348,7 +350,8 @@ def test_early_step_with_accumulation_matches_torch(in_vram):
 
 def test_accumulate_in_vram_keeps_the_sum_on_the_device_until_the_last_backward():
     model, opt = make(freeze_first_block=False)
-    model, opt = trainstream.wrap(model, opt, accumulation_steps=3, accumulate_in_vram=True, placement="offload")
+    model, opt = trainstream.wrap(model, opt, accumulation_steps=3,
+                                  tuning=trainstream.Tuning(accumulate_in_vram=True, placement="offload"))
     first, second, third = batches(1, 3)[0]
     model.loss(first).backward()
     model.loss(second).backward()
@@ -365,7 +368,7 @@ def test_accumulate_in_vram_keeps_the_sum_on_the_device_until_the_last_backward(
 def test_accumulate_in_vram_refuses_bf16_weights():
     model, opt = make(dtype=torch.bfloat16)
     with pytest.raises(trainstream.UnsupportedSetupError, match="fp32 weights"):
-        trainstream.wrap(model, opt, accumulation_steps=2, accumulate_in_vram=True)
+        trainstream.wrap(model, opt, accumulation_steps=2, tuning=trainstream.Tuning(accumulate_in_vram=True))
 
 
 def test_too_many_backward_passes_is_an_error():
@@ -384,7 +387,7 @@ def test_grad_norm_tracking_without_clipping():
     (ref.loss(data[0][0])).backward()
     expected = float(torch.nn.utils.get_total_norm([p.grad for p in ref.parameters() if p.grad is not None]))
     model, opt = make()
-    model, opt = trainstream.wrap(model, opt, track_grad_norm=True)
+    model, opt = trainstream.wrap(model, opt, tuning=trainstream.Tuning(track_grad_norm=True))
     model.loss(data[0][0]).backward()
     opt.step()
     assert opt.last_grad_norm == pytest.approx(expected, rel=1e-5)
@@ -440,7 +443,7 @@ def test_rejects_bad_arguments():
     with pytest.raises(ValueError, match="max_grad_norm"):
         trainstream.wrap(model, torch.optim.AdamW(model.parameters()), max_grad_norm=-1.0)
     with pytest.raises(ValueError, match="unknown ISA"):
-        trainstream.wrap(model, torch.optim.AdamW(model.parameters()), isa="sse9")
+        trainstream.wrap(model, torch.optim.AdamW(model.parameters()), tuning=trainstream.Tuning(isa="sse9"))
 
 
 def test_cuda_model_without_cuda_build_or_gpu_is_refused_clearly(monkeypatch):

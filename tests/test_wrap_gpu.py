@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import trainstream
+from trainstream._testing import stage_update_terms
 from trainstream.testing import TinyLM, param_groups, warmup_cosine
 
 pytestmark = pytest.mark.gpu
@@ -47,7 +48,7 @@ def setup(dtype, clip, acc, in_vram=False):
     opt = torch.optim.AdamW(param_groups(model), lr=3e-3, betas=(0.9, 0.95))
     ref_opt = torch.optim.AdamW(param_groups(ref), lr=3e-3, betas=(0.9, 0.95), foreach=False)
     model, opt = trainstream.wrap(model, opt, max_grad_norm=clip, accumulation_steps=acc,
-                                  accumulate_in_vram=in_vram, placement="offload")
+                                  tuning=trainstream.Tuning(accumulate_in_vram=in_vram, placement="offload"))
     return model, opt, ref, ref_opt
 
 
@@ -143,7 +144,7 @@ def test_no_gradient_or_optimizer_state_in_vram():
     torch.manual_seed(0)
     model = TinyLM(vocab=512, dim=256, layers=4, seq=64).cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model, opt = trainstream.wrap(model, opt, placement="offload")
+    model, opt = trainstream.wrap(model, opt, tuning=trainstream.Tuning(placement="offload"))
     weights = torch.cuda.memory_allocated() - base  # and the staging buffer for update terms
     staging = opt.report()["vram_staging_bytes"]
     assert staging == 4 * max(p.numel() for p in model.parameters())  # the largest one's term
@@ -178,10 +179,7 @@ def test_update_terms_give_the_weights_an_uploaded_master_gives_on_gpu(staging):
         model, opt, _, _ = setup(torch.float32, 1.0, 1)
         opt.upload_update_terms = terms
         if terms and staging == "pieces":
-            small = torch.empty(1000, device="cuda")  # fewer floats than the embedding's 6208
-            small.record_stream(opt._streams[1])
-            opt._pipeline.set_upload_staging(small.data_ptr(), small.nbytes)
-            opt._staging = small
+            stage_update_terms(opt, 1000)  # fewer floats than the embedding's 6208
         for step in range(5):
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 loss = model.loss(tokens_for(step))
@@ -213,7 +211,7 @@ def test_soak_200_steps_flat_memory():
     torch.manual_seed(0)
     model = TinyLM(vocab=512, dim=256, layers=4, seq=64).cuda()
     model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-4), max_grad_norm=1.0,
-                                  placement="offload")
+                                  tuning=trainstream.Tuning(placement="offload"))
     tokens = torch.randint(0, 512, (4, 65), device="cuda")
     vram, rss, peaks = [], [], []
     for step in range(200):

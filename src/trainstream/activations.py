@@ -769,7 +769,7 @@ class ActivationPager:
                 if self.vram_budget is None:
                     hint = "a vram_budget pages only what hides and recomputes blocks for the rest, which costs less"
                 elif not self.recompute:
-                    hint = "recompute=True would recompute blocks instead of paging them, which costs less"
+                    hint = "Tuning(recompute=True) would recompute blocks instead of paging them, which costs less"
                 else:
                     hint = "recomputing the other blocks was not enough for the budget"
                 lines.append(f"  exposed copies lengthen the step, more so while the host updates (both use "

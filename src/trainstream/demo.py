@@ -93,7 +93,7 @@ def train(name: str, args, device: torch.device, batches: list[torch.Tensor], re
     if wrapped:
         # on the CPU every parameter is offloaded, so the whole machinery runs: hooks, host
         # buffers, the C++ engine; on a GPU the planner places everything within the budget
-        options = {"vram_budget": vram_budget} if cuda else {"placement": "offload"}
+        options = {"vram_budget": vram_budget} if cuda else {"tuning": trainstream.Tuning(placement="offload")}
         model, opt = trainstream.wrap(model, opt, max_grad_norm=MAX_GRAD_NORM, **options)
     run = Run(name)
     if cuda:
@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
               f"vram_budget={budget / 1e9:.2f} GB, {args.vram_budget_share:g} of the stock run's peak)", flush=True)
     else:
         print(f"\n[2/2] TrainStream: trainstream.wrap(model, optimizer, max_grad_norm={MAX_GRAD_NORM:g}, "
-              f"placement=\"offload\"), CPU mode: for checking, not for speed", flush=True)
+              f"tuning=Tuning(placement=\"offload\")), CPU mode: for checking, not for speed", flush=True)
     try:
         ours = train("trainstream", args, device, batches, reference=stock, vram_budget=budget)
     except VramBudgetError as exc:

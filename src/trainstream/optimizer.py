@@ -127,7 +127,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self._gates_on = False  # whether the gates wait (an update has been queued since they last settled)
         self._hosts: list = []  # every offloaded parameter's HostParam
         self._uploads_queued = 0  # updates (each ends in an upload) queued so far
-        self._gate_always = False  # a benchmark's baseline: gates stay installed and every one waits
+        self._gate_always = False  # a benchmark's baseline: gates stay awake and every one waits
         self._pack = True
         self._staging = None
         self._upload_terms = True
@@ -147,8 +147,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self._grad_norms: GradientNorms | None = None
         self._offload_norms = None  # this window's, pending (trainstream.resident.PendingNorms)
         self._norm_on_device: set = set()  # the slots of the window last_grad_norm reports whose norms they are
-        self._speculate = True  # the next window speculates: the last norm did not clip (or none yet)
-        self._speculation_on = True
+        self._speculation_on = True  # speculative_clipping
+        self._last_unclipped = True  # the last window's norm did not clip (or there was none): speculate
         self.speculation = {"params": 0, "host_bytes": 0, "hits": 0, "misses": 0, "waited": 0}
         self._register(model)
         self._sync_packing()
@@ -187,8 +187,6 @@ class OffloadedAdamW(torch.optim.Optimizer):
             self._order.append(slot)
             self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
             _OWNERS[id(p)] = (weakref.ref(p), weakref.ref(self))
-        if self.max_grad_norm is not None:
-            self._grad_norms = GradientNorms(self._device, len(self._order), self._resident)
         self._build_gates()
         self._install_gates()
         # One forward pre-hook on each module that owns a trainable parameter, for the optimizer's
@@ -397,7 +395,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         # its update may start now with a clip coefficient of 1, committed at step() if the global
         # norm says so and redone from the untouched state if not.
         device_norm = last and self.max_grad_norm is not None and not host_sum
-        speculate = device_norm and self._speculation_on and self._speculate and self._speculates(slot)
+        speculate = device_norm and self._speculation_on and self._last_unclipped and self._speculates(slot)
         update_now = last and (self.max_grad_norm is None or speculate)
         job = dict(
             accumulate=host_sum,
@@ -406,6 +404,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
             norm=last and self._track_norm and not device_norm,
         )
         if device_norm:
+            if self._grad_norms is None:  # the first clipped window (max_grad_norm may be set later)
+                self._grad_norms = GradientNorms(self._device, len(self._order), self._resident)
             self._grad_norms.add(slot.index, grad)
             slot.norm_on_device = True
         if update_now:
@@ -511,7 +511,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
             for s in pending:
                 if s.resident:
                     continue
-                if unclipped and s.speculated == self._hyper(s, grad_scale=1.0):  # (and lr unchanged)
+                # a commit needs the speculation's premises intact: no clip, the same lr and update mode
+                if unclipped and s.speculated == self._hyper(s, grad_scale=1.0) and self._speculates(s):
                     self._commit(s)
                 else:
                     self._pipeline.submit(s.host, from_accumulator=self._sums_on_host(s),
@@ -544,7 +545,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
                 self._pipeline.abandon_speculation()
         elif any(self._speculates(s) for s in pending):
             self.speculation["waited"] += 1
-        self._speculate = unclipped
+        self._last_unclipped = unclipped
 
     def _update_resident(self, items: list, scale: float, device_scale: torch.Tensor | None) -> None:
         """One launch (or host call) per set of parameters that share their hyperparameters."""
@@ -563,7 +564,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         bf16, losslessly: half the PCIe and host-memory bytes (default True). Not done while
         blocks are paged or recomputed for a budget (or a share of activations is asked for): the
         pack kernels take SMs from backward, which that makes the longer side of the step
-        (activations="auto" with placement="offload" pages only what hides behind compute)."""
+        (activations="auto" with Tuning(placement="offload") pages only what hides behind compute)."""
         return self._pack
 
     @pack_gradients.setter
@@ -612,7 +613,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
     def last_grad_norm(self) -> float | None:
         """Global L2 norm of the last window's gradients (before clipping), for logging.
 
-        Measured when max_grad_norm is set or wrap(track_grad_norm=True); None otherwise. The
+        Measured when max_grad_norm is set or with Tuning(track_grad_norm=True); None otherwise. The
         parameters' squared norms are added in forward order whatever their placement, so the
         norm (and the clipping) has the same bits for every placement.
         """

@@ -18,6 +18,7 @@ import sys
 import torch
 from torch import nn
 
+from trainstream.tuning import Tuning
 from trainstream.wrap import wrap
 
 
@@ -73,7 +74,7 @@ def run(kind: str, args) -> dict:
     model = Model(args.hidden, args.layers).cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     if kind == "trainstream":
-        model, opt = wrap(model, opt, placement="offload")  # what this check is about
+        model, opt = wrap(model, opt, tuning=Tuning(placement="offload"))  # what this check is about
     g = torch.Generator(device="cuda").manual_seed(1)
     data = [torch.randn(args.batch, args.hidden, device="cuda", generator=g) for _ in range(args.steps)]
     torch.cuda.empty_cache()

@@ -10,6 +10,7 @@ from trainstream.errors import (UnsupportedSetupError, VramBudgetError, check_co
                                 check_optimizer, check_weight_dtype)
 from trainstream.optimizer import OffloadedAdamW, resident_at_start, wrapped_by
 from trainstream.placement import reserve_for
+from trainstream.tuning import Tuning
 
 _GIB = 1 << 30
 FRAGMENTATION_MARGIN = 0.05  # of the usable VRAM, left out of the default budget
@@ -32,21 +33,15 @@ def wrap(
     vram_budget: int | str | None = None,
     activations: str | float = "auto",
     blocks: list[torch.nn.Module] | None = None,
-    placement: str | float = "auto",
-    accumulate_in_vram: bool | None = None,
-    track_grad_norm: bool = False,
-    threads: int = 0,
-    isa: str | None = None,
-    max_grad_bytes_in_flight: int = 512 << 20,
-    prefetch_depth: int = 1,
-    recompute: bool = True,
+    tuning: Tuning | None = None,
 ) -> tuple[torch.nn.Module, OffloadedAdamW]:
     """Train `model` within a VRAM budget: AdamW state, gradients and activations go where the
     placement planner puts them, and updates match torch.optim.AdamW wherever they run.
 
     Args:
         model: the model, already on its GPU (or on the CPU, where the same machinery runs with
-            plain copies: useful for testing). Weights stay where they are.
+            plain copies: useful for testing). Weights stay where they are. It may be compiled
+            (torch.compile, default mode) before or after wrap().
         optimizer: a torch.optim.AdamW (or Adam without weight decay) over the model's
             trainable parameters. Its param_groups are shared with the returned optimizer.
         max_grad_norm: clip the global gradient L2 norm to this (as clip_grad_norm_ would).
@@ -61,23 +56,8 @@ def wrap(
             of the blocks. Paging and recomputing are bit-exact.
         blocks: the modules whose activations are paged or recomputed block by block (default:
             the largest ModuleList of same-class modules, i.e. the transformer layers).
-        placement: "auto" (default): profile the first two steps with everything offloaded, then
-            keep on the GPU the gradients and AdamW state of as many parameters as the budget
-            allows (the first in forward order first) and offload the rest; "offload": every
-            parameter offloaded, always; "gpu": every parameter's state in VRAM; a float in
-            [0, 1]: that share of the parameters, the first in forward order, in VRAM.
-        accumulate_in_vram: for offloaded parameters with accumulation_steps > 1, sum the
-            micro-batches in VRAM (True, fp32 weights only) or in host memory (False). None: the
-            planner's choice per parameter under "auto", else host memory.
-        track_grad_norm: measure the global gradient norm even without clipping
-            (``optimizer.last_grad_norm``).
-        threads: host threads for AdamW (0: every CPU this process may use).
-        isa: force "avx512", "avx2" or "scalar" (default: $TRAINSTREAM_ISA, else the best).
-        max_grad_bytes_in_flight: gradient bytes that may wait in device memory for their copy to
-            the host; backward pauses at a hook beyond that, which caps the VRAM gradients take.
-        prefetch_depth: blocks prefetched ahead of the one running backward.
-        recompute: let activation plans recompute blocks in backward rather than page them beyond
-            what hides. False pages only (for blocks whose forward must not run twice).
+        tuning: how TrainStream runs (placement, host threads, ...): trainstream.Tuning, whose
+            defaults suit most runs.
 
     Returns:
         (model, optimizer): the same model with hooks attached, and the optimizer to step.
@@ -93,9 +73,10 @@ def wrap(
         raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm}")
     if int(accumulation_steps) != accumulation_steps or accumulation_steps < 1:
         raise ValueError(f"accumulation_steps must be an integer >= 1, got {accumulation_steps}")
-    placement = _check_placement(placement)
-    if accumulate_in_vram not in (None, True, False):
-        raise TypeError(f"accumulate_in_vram must be True, False or None, got {accumulate_in_vram!r}")
+    tuning = Tuning() if tuning is None else tuning
+    if not isinstance(tuning, Tuning):
+        raise TypeError(f"tuning must be a trainstream.Tuning, got {type(tuning).__name__}")
+    placement, accumulate_in_vram = tuning.placement, tuning.accumulate_in_vram
 
     trainable = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
     if not trainable:
@@ -131,8 +112,6 @@ def wrap(
             "rounding every micro-batch. Leave it off to sum them in fp32 on the host.")
     if device.type not in ("cuda", "cpu"):
         raise UnsupportedSetupError(f"parameters on {device} are not supported (CUDA or CPU only)")
-    if not isinstance(recompute, bool):
-        raise TypeError(f"recompute must be True or False, got {recompute!r}")
     host_accumulator = accumulation_steps > 1 and accumulate_in_vram is not True
     unique = list({id(p): p for p in trainable}.values())
     _check_host_memory(unique[resident_at_start(placement, len(unique)):], host_accumulator)
@@ -154,35 +133,31 @@ def wrap(
         # Highest priority for the download stream: with accumulation its gradient-adding kernel
         # must get SMs while backward keeps the GPU busy.
         streams = (torch.cuda.Stream(device, priority=-100), torch.cuda.Stream(device))
-        pipeline = _C.cuda_pipeline(device.index, streams[0].cuda_stream, streams[1].cuda_stream, threads, isa,
-                                    max_grad_bytes_in_flight)
+        pipeline = _C.cuda_pipeline(device.index, streams[0].cuda_stream, streams[1].cuda_stream, tuning.threads,
+                                    tuning.isa, tuning.max_grad_bytes_in_flight)
     else:
         streams = None
-        pipeline = _C.host_pipeline(threads, isa, max_grad_bytes_in_flight)
+        pipeline = _C.host_pipeline(tuning.threads, tuning.isa, tuning.max_grad_bytes_in_flight)
 
     pager = None
     if paging:
         pager = ActivationPager(model, device=device, share=share, vram_budget=pager_budget, blocks=blocks,
-                                prefetch_depth=prefetch_depth, recompute=recompute, deferred=auto)
+                                prefetch_depth=tuning.prefetch_depth, recompute=tuning.recompute, deferred=auto)
     wrapped = OffloadedAdamW(
         optimizer, model, pipeline, device=device, max_grad_norm=max_grad_norm,
-        accumulation_steps=int(accumulation_steps), track_grad_norm=track_grad_norm, streams=streams,
+        accumulation_steps=int(accumulation_steps), track_grad_norm=tuning.track_grad_norm, streams=streams,
         activation_pager=pager, accumulate_in_vram=accumulate_in_vram, placement=placement,
-        vram_budget=budget if auto else None, threads=threads, isa=isa,
+        vram_budget=budget if auto else None, threads=tuning.threads, isa=tuning.isa,
     )
+    wrapped.speculative_clipping = tuning.speculative_clipping
+    wrapped.pack_gradients = tuning.pack_gradients
+    if not tuning.upload_update_terms:
+        wrapped.upload_update_terms = False
     if pager is not None:
         pager.settle = wrapped.synchronize
     for p in trainable:
         p.grad = None
     return model, wrapped
-
-
-def _check_placement(placement) -> str | float:
-    if isinstance(placement, str) and placement in ("auto", "offload", "gpu"):
-        return placement
-    if isinstance(placement, (int, float)) and not isinstance(placement, bool) and 0 <= placement <= 1:
-        return float(placement)
-    raise ValueError(f"placement must be 'auto', 'offload', 'gpu' or a share in [0, 1], got {placement!r}")
 
 
 def default_vram_budget(device: torch.device) -> int:
@@ -232,11 +207,11 @@ def _activation_policy(activations, budget, device: torch.device,
         raise ValueError(f"activations must be 'auto', 'off' or a share in [0, 1], got {activations!r}")
     if activations == "off":
         if budget is not None:
-            raise ValueError("vram_budget needs activation paging: drop activations='off', or use placement='auto'")
+            raise ValueError("vram_budget needs activation paging: drop activations='off', or use Tuning(placement='auto')")
         return False, None, None
     if device.type != "cuda":
         if budget is not None:
-            raise UnsupportedSetupError("vram_budget applies to CUDA models only (or to placement='auto')")
+            raise UnsupportedSetupError("vram_budget applies to CUDA models only (or to Tuning(placement='auto'))")
         # nothing to save on the CPU; an explicit share or a planned budget still runs the
         # machinery (tests)
         return share is not None or planned, share, None

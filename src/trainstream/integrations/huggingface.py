@@ -12,6 +12,7 @@ logged `grad_norm` is TrainStream's pre-clip global norm.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 try:
@@ -36,8 +37,9 @@ def _unwrap(optimizer: Any) -> Any:
 class TrainStreamTrainer(Trainer):
     """A `transformers.Trainer` whose optimizer state, gradients and update live in host memory.
 
-    Extra keyword: `trainstream_options`, a dict passed on to trainstream.wrap() (e.g.
-    ``{"threads": 12}``).
+    Extra keyword: `trainstream_options`, a dict of trainstream.wrap()'s keywords (e.g.
+    ``{"vram_budget": "20GB", "tuning": trainstream.Tuning(threads=12)}``); the norm is always
+    tracked, for the Trainer's `grad_norm` log.
     """
 
     def __init__(self, *args: Any, trainstream_options: dict | None = None, **kwargs: Any) -> None:
@@ -58,12 +60,14 @@ class TrainStreamTrainer(Trainer):
         optimizer = super().create_optimizer(model) if model is not None else super().create_optimizer()
         if not isinstance(_unwrap(optimizer), OffloadedAdamW):
             target = self.model if model is None else model
+            options = dict(self._ts_options)
+            tuning = replace(options.pop("tuning", None) or trainstream.Tuning(), track_grad_norm=True)
             _, self.optimizer = trainstream.wrap(
                 target, optimizer,
                 max_grad_norm=self._ts_max_grad_norm,
                 accumulation_steps=self.args.gradient_accumulation_steps,
-                track_grad_norm=True,
-                **self._ts_options,
+                tuning=tuning,
+                **options,
             )
         return self.optimizer
 

@@ -1,0 +1,32 @@
+"""Baselines for the benchmarks and handles for the tests: behaviour no user needs, reached here
+rather than by setting private attributes of the optimizer. Not part of the public API."""
+
+from __future__ import annotations
+
+import torch
+
+from trainstream.optimizer import OffloadedAdamW
+
+
+def add_micro_batches_on_host(optimizer: OffloadedAdamW) -> None:
+    """Micro-batches after the first are copied to host memory and added there by the engine's
+    threads, instead of added into the host accumulator by the copy itself: the baseline the
+    device-side addition is measured against."""
+    optimizer._pipeline.device_accumulate = False
+
+
+def gate_every_forward(optimizer: OffloadedAdamW, on: bool = True) -> None:
+    """Keep the forward gates awake and make every one call the pipeline, even once the uploads
+    have settled: the baseline for letting them stand down."""
+    optimizer._gate_always = on
+
+
+def stage_update_terms(optimizer: OffloadedAdamW, floats: int) -> None:
+    """Make fp32 update terms cross to the GPU through a staging buffer of `floats` floats, so that
+    parameters larger than it go up in pieces (the default buffer holds the largest parameter up
+    to 64 MiB)."""
+    optimizer.synchronize()
+    staging = torch.empty(floats, dtype=torch.float32, device=optimizer._device)
+    staging.record_stream(optimizer._streams[1])  # freed only after the uploads using it
+    optimizer._pipeline.set_upload_staging(staging.data_ptr(), staging.nbytes)
+    optimizer._staging = staging

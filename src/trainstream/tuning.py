@@ -1,0 +1,66 @@
+"""trainstream.Tuning: how TrainStream runs, for the runs that need something other than the defaults.
+
+wrap() takes what a user decides about the training itself: clipping, accumulation, the VRAM
+budget, the activation policy and the blocks. Everything else is here, documented once, with a
+default that suits most runs:
+
+    model, optimizer = trainstream.wrap(model, optimizer, tuning=trainstream.Tuning(threads=12))
+
+The last three fields are also properties of the optimizer of the same names, settable while it
+trains.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+
+@dataclass(frozen=True)
+class Tuning:
+    # Where gradients and AdamW state live. "auto": profile the first two steps with everything
+    # offloaded, then keep in VRAM as many parameters as the budget allows (the first in forward
+    # order first); "offload": every parameter offloaded, always; "gpu": every parameter's state
+    # in VRAM; a share in [0, 1]: that share of the parameters, the first in forward order, in VRAM.
+    placement: str | float = "auto"
+    # With accumulation, sum an offloaded parameter's micro-batches in VRAM (True, fp32 weights
+    # only) or in host memory (False). None: the planner's choice per parameter under "auto",
+    # else host memory.
+    accumulate_in_vram: bool | None = None
+    # Measure the global gradient norm without clipping (optimizer.last_grad_norm).
+    track_grad_norm: bool = False
+    # Host threads for AdamW: 0 is every CPU this process may use.
+    threads: int = 0
+    # Force the host kernel: "avx512", "avx2" or "scalar" (default: $TRAINSTREAM_ISA, else the best).
+    isa: str | None = None
+    # Gradient bytes that may wait in VRAM for their copy to the host; a gradient hook beyond that
+    # waits, which caps the VRAM gradients take.
+    max_grad_bytes_in_flight: int = 512 << 20
+    # Blocks whose paged activations are fetched ahead of the one running backward.
+    prefetch_depth: int = 1
+    # Let activation plans recompute blocks in backward rather than page beyond what hides. False
+    # pages only, for blocks whose forward must not run twice.
+    recompute: bool = True
+    # With clipping, start offloaded updates before the global norm is known and redo them when it
+    # clips (the same bits as waiting); False waits for the norm.
+    speculative_clipping: bool = True
+    # Send fp32 gradients that are bf16 values (weight gradients under bf16 autocast) as bf16.
+    pack_gradients: bool = True
+    # fp32 weights: upload AdamW's update term for the GPU to apply, rather than a host master.
+    upload_update_terms: bool = True
+
+    def __post_init__(self) -> None:
+        placement = self.placement
+        if isinstance(placement, (int, float)) and not isinstance(placement, bool) and 0 <= placement <= 1:
+            object.__setattr__(self, "placement", float(placement))
+        elif not (isinstance(placement, str) and placement in ("auto", "offload", "gpu")):
+            raise ValueError(f"placement must be 'auto', 'offload', 'gpu' or a share in [0, 1], got {placement!r}")
+        if self.accumulate_in_vram not in (None, True, False):
+            raise TypeError(f"accumulate_in_vram must be True, False or None, got {self.accumulate_in_vram!r}")
+        for name in ("threads", "max_grad_bytes_in_flight", "prefetch_depth"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "prefetch_depth" else 0):
+                raise ValueError(f"{name} must be an integer >= {1 if name == 'prefetch_depth' else 0}, got {value!r}")
+        for name in ("track_grad_norm", "recompute", "speculative_clipping", "pack_gradients", "upload_update_terms"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
