@@ -24,17 +24,7 @@ import torch
 import transformers
 
 from trainstream.integrations.huggingface import TrainStreamTrainer
-
-
-class RandomTokens(torch.utils.data.Dataset):
-    def __init__(self, n: int, seq: int, vocab: int) -> None:
-        self.ids = torch.randint(0, vocab, (n, seq), generator=torch.Generator().manual_seed(0))
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> dict:
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+from trainstream.testing import RandomTokens
 
 
 def load_model(args) -> transformers.PreTrainedModel:

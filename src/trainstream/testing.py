@@ -1,4 +1,5 @@
-"""Small models shared by the tests, the benchmarks and `python -m trainstream demo`.
+"""Small models (and a random-token data set) shared by the tests, the benchmarks, the examples
+and `python -m trainstream demo`.
 
 They live in the package so that each of those imports them the same way, with no path set-up.
 
@@ -110,3 +111,17 @@ def causal_lm_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     if hasattr(getattr(model, "module", model), "config"):
         return model(input_ids=tokens, labels=tokens).loss
     return model.loss(tokens)
+
+
+class RandomTokens(torch.utils.data.Dataset):
+    """`n` sequences of `seq` random token ids in Hugging Face's shape (input_ids, labels): a data
+    set that needs no download, for runs that compare trainers rather than teach a model."""
+
+    def __init__(self, n: int, seq: int, vocab: int) -> None:
+        self.ids = torch.randint(0, vocab, (n, seq), generator=torch.Generator().manual_seed(0))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
