@@ -119,10 +119,4 @@ void to_float32(ThreadPool& pool, float* dst, const void* src, DType dtype, std:
   accumulate_grad(pool, dst, src, dtype, numel, /*overwrite=*/true);
 }
 
-void to_bfloat16(ThreadPool& pool, std::uint16_t* dst, const float* src, std::size_t numel) {
-  for_chunks(pool, numel, [&](std::size_t b, std::size_t e, std::size_t) {
-    for (std::size_t i = b; i < e; ++i) dst[i] = float_to_bf16(src[i]);
-  });
-}
-
 }  // namespace trainstream

@@ -245,7 +245,6 @@ void OffloadPipeline::enqueue(const std::shared_ptr<HostParam>& p, const GradJob
     task->job = job;
     task->seq = ++p->queued_;
     task->download = p->downloads_;
-    task->order = ++order_;
     task->landing = landing;
     task->packed = packed;
     queue_.push_back(std::move(task));

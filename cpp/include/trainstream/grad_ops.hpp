@@ -40,7 +40,4 @@ double squared_norm(ThreadPool& pool, const void* data, DType dtype, std::size_t
 // dst[i] = float(src[i]) for bf16 src; a plain copy for fp32.
 void to_float32(ThreadPool& pool, float* dst, const void* src, DType src_dtype, std::size_t numel);
 
-// dst[i] = bf16(src[i]), round to nearest even.
-void to_bfloat16(ThreadPool& pool, std::uint16_t* dst, const float* src, std::size_t numel);
-
 }  // namespace trainstream

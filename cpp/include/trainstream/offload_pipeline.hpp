@@ -189,7 +189,6 @@ class OffloadPipeline {
     GradJob job;
     std::uint64_t seq;       // this parameter's job number (1-based)
     std::uint64_t download;  // runs once this many of the parameter's downloads have landed
-    std::uint64_t order;     // enqueue order, across parameters
     bool landing;            // its own download wrote the landing buffer (land_gradient, landing route)
     bool packed;             // ...through download_bf16_exact
     // Set by start():
@@ -229,7 +228,6 @@ class OffloadPipeline {
   std::condition_variable landed_;
   std::deque<std::unique_ptr<Task>> queue_;    // not started
   std::deque<std::unique_ptr<Task>> running_;  // started, in start order
-  std::uint64_t order_ = 0;
   std::size_t in_flight_ = 0;
   std::size_t running_chunks_ = 0;
   std::chrono::steady_clock::time_point busy_since_;
