@@ -287,12 +287,13 @@ class ActivationPager:
 
     def __init__(self, model: torch.nn.Module, *, device: torch.device, share: float | None,
                  vram_budget: int | None, blocks: list[torch.nn.Module] | None = None,
-                 blocks_name: str = "", prefetch_depth: int = 1, min_bytes: int | None = None,
+                 prefetch_depth: int = 1, min_bytes: int | None = None,
                  keep_last: int = 1, recompute: bool = True, deferred: bool = False) -> None:
+        name = ""
         if blocks is None:
-            blocks_name, blocks = find_blocks(model)
+            name, blocks = find_blocks(model)
         self.blocks = list(blocks)
-        self.blocks_name = blocks_name or "blocks"
+        self.blocks_name = name or "blocks"  # what messages call them
         if len(self.blocks) < 2:
             if share is not None or vram_budget is not None:
                 raise ValueError(
