@@ -7,37 +7,34 @@
 namespace trainstream::bindings {
 
 void bind_adamw(py::module_& m) {
-  py::class_<HostAdamW>(m, "HostAdamW",
-                        "AdamW over host buffers, on a persistent pool of threads.")
+  py::class_<HostAdamW> engine(m, "HostAdamW", "AdamW over host buffers, on a persistent pool of threads.");
+  engine
       .def(py::init([](std::size_t threads, const std::optional<std::string>& isa) {
              return new HostAdamW(threads, parse_optional_isa(isa));
            }),
            py::arg("threads") = 0, py::arg("isa") = py::none())
       .def_property_readonly("isa", [](const HostAdamW& a) { return std::string(isa_name(a.isa())); })
-      .def_property_readonly("threads", &HostAdamW::threads)
-      .def(
-          "step",
-          [](HostAdamW& self, std::uintptr_t param, std::uintptr_t grad, const std::string& grad_dtype,
-             std::uintptr_t exp_avg, std::uintptr_t exp_avg_sq, std::size_t numel, double lr,
-             double beta1, double beta2, double eps, double weight_decay, std::int64_t step,
-             double grad_scale, bool maximize, std::uintptr_t param_bf16) {
-            AdamWBuffers b;
-            b.param = as_ptr<float>(param);
-            b.grad = as_ptr<const void>(grad);
-            b.grad_dtype = parse_dtype(grad_dtype);
-            b.exp_avg = as_ptr<float>(exp_avg);
-            b.exp_avg_sq = as_ptr<float>(exp_avg_sq);
-            b.param_bf16 = as_ptr<std::uint16_t>(param_bf16);
-            b.numel = numel;
-            AdamWHyper h{lr, beta1, beta2, eps, weight_decay, step, grad_scale, maximize};
-            py::gil_scoped_release release;
-            self.step(b, h);
-          },
-          py::arg("param"), py::arg("grad"), py::arg("grad_dtype"), py::arg("exp_avg"),
-          py::arg("exp_avg_sq"), py::arg("numel"), py::kw_only(), py::arg("lr"), py::arg("beta1"),
-          py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("step"),
-          py::arg("grad_scale") = 1.0, py::arg("maximize") = false, py::arg("param_bf16") = 0,
-          "One AdamW update of one parameter given by host addresses. Releases the GIL.")
+      .def_property_readonly("threads", &HostAdamW::threads);
+  def_with_hyper(
+      engine, "step", HyperKeywords::required,
+      [](const AdamWHyper& hyper, HostAdamW& self, std::uintptr_t param, std::uintptr_t grad,
+         const std::string& grad_dtype, std::uintptr_t exp_avg, std::uintptr_t exp_avg_sq, std::size_t numel,
+         std::uintptr_t param_bf16) {
+        AdamWBuffers b;
+        b.param = as_ptr<float>(param);
+        b.grad = as_ptr<const void>(grad);
+        b.grad_dtype = parse_dtype(grad_dtype);
+        b.exp_avg = as_ptr<float>(exp_avg);
+        b.exp_avg_sq = as_ptr<float>(exp_avg_sq);
+        b.param_bf16 = as_ptr<std::uint16_t>(param_bf16);
+        b.numel = numel;
+        py::gil_scoped_release release;
+        self.step(b, hyper);
+      },
+      py::arg("param"), py::arg("grad"), py::arg("grad_dtype"), py::arg("exp_avg"), py::arg("exp_avg_sq"),
+      py::arg("numel"), py::kw_only(), py::arg("param_bf16") = 0,
+      "One AdamW update of one parameter given by host addresses. Releases the GIL.");
+  engine
       .def(
           "squared_norm",
           [](HostAdamW& self, std::uintptr_t data, const std::string& dtype, std::size_t numel) {

@@ -52,32 +52,29 @@ void bind_cuda(py::module_& m) {
         "device_accumulate, micro-batch gradients are added into the host accumulator by a kernel "
         "on the download stream instead of being copied and added on the host.");
 
-  m.def("device_adamw_step",
-        [](int device, std::uintptr_t stream, const Addresses& params, const Addresses& grads,
-           const std::vector<std::string>& grad_dtypes, const Addresses& exp_avgs, const Addresses& exp_avg_sqs,
-           const Addresses& params_bf16, const std::vector<std::size_t>& numels, double lr, double beta1,
-           double beta2, double eps, double weight_decay, std::int64_t step, double grad_scale, bool maximize,
-           std::uintptr_t device_scale) {
-          const std::size_t n = params.size();
-          check_sizes(n, {grads.size(), grad_dtypes.size(), exp_avgs.size(), exp_avg_sqs.size(), params_bf16.size(),
-                          numels.size()});
-          const std::vector<DType> dtypes = parse_dtypes(grad_dtypes);
-          std::vector<DeviceAdamWTensor> tensors(n);
-          for (std::size_t k = 0; k < n; ++k) {
-            tensors[k] = {as_ptr<float>(params[k]), as_ptr<const void>(grads[k]), dtypes[k], as_ptr<float>(exp_avgs[k]),
-                          as_ptr<float>(exp_avg_sqs[k]), as_ptr<std::uint16_t>(params_bf16[k]), numels[k]};
-          }
-          const AdamWHyper hyper{lr, beta1, beta2, eps, weight_decay, step, grad_scale, maximize};
-          py::gil_scoped_release release;
-          launch_device_adamw(device, tensors.data(), n, hyper, stream, as_ptr<const float>(device_scale));
-        },
-        py::arg("device"), py::arg("stream"), py::arg("params"), py::arg("grads"), py::arg("grad_dtypes"),
-        py::arg("exp_avgs"), py::arg("exp_avg_sqs"), py::arg("params_bf16"), py::arg("numels"), py::kw_only(),
-        py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("step"),
-        py::arg("grad_scale") = 1.0, py::arg("maximize") = false, py::arg("device_scale") = 0,
-        "Queues AdamW over device tensors (fp32 weights or masters; bf16 weights written beside, where "
-        "given) on `stream`, with the host engine's arithmetic bit for bit; device_scale, where given, "
-        "is a float in device memory that replaces grad_scale.");
+  def_with_hyper(
+      m, "device_adamw_step", HyperKeywords::required,
+      [](const AdamWHyper& hyper, int device, std::uintptr_t stream, const Addresses& params, const Addresses& grads,
+         const std::vector<std::string>& grad_dtypes, const Addresses& exp_avgs, const Addresses& exp_avg_sqs,
+         const Addresses& params_bf16, const std::vector<std::size_t>& numels, std::uintptr_t device_scale) {
+        const std::size_t n = params.size();
+        check_sizes(n, {grads.size(), grad_dtypes.size(), exp_avgs.size(), exp_avg_sqs.size(), params_bf16.size(),
+                        numels.size()});
+        const std::vector<DType> dtypes = parse_dtypes(grad_dtypes);
+        std::vector<DeviceAdamWTensor> tensors(n);
+        for (std::size_t k = 0; k < n; ++k) {
+          tensors[k] = {as_ptr<float>(params[k]), as_ptr<const void>(grads[k]), dtypes[k], as_ptr<float>(exp_avgs[k]),
+                        as_ptr<float>(exp_avg_sqs[k]), as_ptr<std::uint16_t>(params_bf16[k]), numels[k]};
+        }
+        py::gil_scoped_release release;
+        launch_device_adamw(device, tensors.data(), n, hyper, stream, as_ptr<const float>(device_scale));
+      },
+      py::arg("device"), py::arg("stream"), py::arg("params"), py::arg("grads"), py::arg("grad_dtypes"),
+      py::arg("exp_avgs"), py::arg("exp_avg_sqs"), py::arg("params_bf16"), py::arg("numels"), py::kw_only(),
+      py::arg("device_scale") = 0,
+      "Queues AdamW over device tensors (fp32 weights or masters; bf16 weights written beside, where "
+      "given) on `stream`, with the host engine's arithmetic bit for bit; device_scale, where given, "
+      "is a float in device memory that replaces grad_scale.");
   m.def("device_clip_scale",
         [](int device, std::uintptr_t stream, std::uintptr_t squares, std::size_t count, double max_norm, double eps,
            std::uintptr_t scale) {

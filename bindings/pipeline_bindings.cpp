@@ -15,17 +15,15 @@ struct HostView {
   std::size_t bytes;
 };
 
-GradJob make_job(bool accumulate, bool overwrite, bool from_accumulator, bool norm, bool update,
-                 double lr, double beta1, double beta2, double eps, double weight_decay,
-                 std::int64_t step, double grad_scale, bool maximize, std::uintptr_t device_weight,
-                 bool speculate, bool commit) {
+GradJob make_job(const AdamWHyper& hyper, bool accumulate, bool overwrite, bool from_accumulator, bool norm,
+                 bool update, std::uintptr_t device_weight, bool speculate, bool commit) {
   GradJob job;
   job.accumulate = accumulate;
   job.overwrite = overwrite;
   job.from_accumulator = from_accumulator;
   job.norm = norm;
   job.update = update;
-  job.hyper = AdamWHyper{lr, beta1, beta2, eps, weight_decay, step, grad_scale, maximize};
+  job.hyper = hyper;
   job.device_weight = device_weight;
   job.speculate = speculate;
   job.commit = commit;
@@ -74,7 +72,8 @@ void bind_pipeline(py::module_& m) {
       "Bytes of one buffer: master, exp_avg, exp_avg_sq, grad, accumulator, or (with speculation) "
       "next_exp_avg, next_exp_avg_sq, next_master. A commit swaps each next_ buffer with its twin.");
 
-  py::class_<OffloadPipeline>(m, "OffloadPipeline")
+  py::class_<OffloadPipeline> pipeline(m, "OffloadPipeline");
+  pipeline
       .def_property_readonly("isa", [](OffloadPipeline& o) { return std::string(isa_name(o.engine().isa())); })
       .def_property_readonly("threads", [](OffloadPipeline& o) { return o.engine().threads(); })
       .def_property_readonly("on_device", [](OffloadPipeline& o) { return o.transfer().is_device(); })
@@ -114,40 +113,33 @@ void bind_pipeline(py::module_& m) {
       .def("load_weights", [](OffloadPipeline& o, HostParam& p, std::uintptr_t weight, std::uintptr_t stream) {
              py::gil_scoped_release release;
              o.load_weights(p, weight, stream);
-           }, py::arg("param"), py::arg("device_weight"), py::arg("stream") = 0)
-      .def("land_gradient",
-           [](OffloadPipeline& o, const std::shared_ptr<HostParam>& p, std::uintptr_t grad, std::uintptr_t stream,
-              bool accumulate, bool overwrite, bool from_accumulator, bool norm, bool update, double lr,
-              double beta1, double beta2, double eps, double weight_decay, std::int64_t step,
-              double grad_scale, bool maximize, std::uintptr_t device_weight, bool speculate) {
-             const GradJob job = make_job(accumulate, overwrite, from_accumulator, norm, update, lr, beta1,
-                                          beta2, eps, weight_decay, step, grad_scale, maximize, device_weight,
-                                          speculate, false);
-             py::gil_scoped_release release;
-             o.land_gradient(p, grad, stream, job);
-           },
-           py::arg("param"), py::arg("device_grad"), py::arg("stream"), py::kw_only(),
-           py::arg("accumulate") = false, py::arg("overwrite") = false, py::arg("from_accumulator") = false,
-           py::arg("norm") = false, py::arg("update") = false, py::arg("lr") = 0.0, py::arg("beta1") = 0.9,
-           py::arg("beta2") = 0.999, py::arg("eps") = 1e-8, py::arg("weight_decay") = 0.0,
-           py::arg("step") = 1, py::arg("grad_scale") = 1.0, py::arg("maximize") = false,
-           py::arg("device_weight") = 0, py::arg("speculate") = false)
-      .def("submit",
-           [](OffloadPipeline& o, const std::shared_ptr<HostParam>& p, bool from_accumulator, bool norm,
-              bool update, double lr, double beta1, double beta2, double eps, double weight_decay,
-              std::int64_t step, double grad_scale, bool maximize, std::uintptr_t device_weight,
-              bool speculate, bool commit) {
-             const GradJob job = make_job(false, false, from_accumulator, norm, update, lr, beta1, beta2, eps,
-                                          weight_decay, step, grad_scale, maximize, device_weight, speculate,
-                                          commit);
-             py::gil_scoped_release release;
-             o.submit(p, job);
-           },
-           py::arg("param"), py::kw_only(), py::arg("from_accumulator") = false, py::arg("norm") = false,
-           py::arg("update") = false, py::arg("lr") = 0.0, py::arg("beta1") = 0.9, py::arg("beta2") = 0.999,
-           py::arg("eps") = 1e-8, py::arg("weight_decay") = 0.0, py::arg("step") = 1,
-           py::arg("grad_scale") = 1.0, py::arg("maximize") = false, py::arg("device_weight") = 0,
-           py::arg("speculate") = false, py::arg("commit") = false)
+           }, py::arg("param"), py::arg("device_weight"), py::arg("stream") = 0);
+  def_with_hyper(
+      pipeline, "land_gradient", HyperKeywords::defaulted,
+      [](const AdamWHyper& hyper, OffloadPipeline& o, const std::shared_ptr<HostParam>& p, std::uintptr_t grad,
+         std::uintptr_t stream, bool accumulate, bool overwrite, bool from_accumulator, bool norm, bool update,
+         std::uintptr_t device_weight, bool speculate) {
+        const GradJob job =
+            make_job(hyper, accumulate, overwrite, from_accumulator, norm, update, device_weight, speculate, false);
+        py::gil_scoped_release release;
+        o.land_gradient(p, grad, stream, job);
+      },
+      py::arg("param"), py::arg("device_grad"), py::arg("stream"), py::kw_only(), py::arg("accumulate") = false,
+      py::arg("overwrite") = false, py::arg("from_accumulator") = false, py::arg("norm") = false,
+      py::arg("update") = false, py::arg("device_weight") = 0, py::arg("speculate") = false);
+  def_with_hyper(
+      pipeline, "submit", HyperKeywords::defaulted,
+      [](const AdamWHyper& hyper, OffloadPipeline& o, const std::shared_ptr<HostParam>& p, bool from_accumulator,
+         bool norm, bool update, std::uintptr_t device_weight, bool speculate, bool commit) {
+        const GradJob job =
+            make_job(hyper, false, false, from_accumulator, norm, update, device_weight, speculate, commit);
+        py::gil_scoped_release release;
+        o.submit(p, job);
+      },
+      py::arg("param"), py::kw_only(), py::arg("from_accumulator") = false, py::arg("norm") = false,
+      py::arg("update") = false, py::arg("device_weight") = 0, py::arg("speculate") = false,
+      py::arg("commit") = false);
+  pipeline
       .def("enable_speculation", [](OffloadPipeline& o, HostParam& p) {
              py::gil_scoped_release release;
              return o.enable_speculation(p);

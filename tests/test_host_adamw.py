@@ -418,6 +418,33 @@ def test_native_step_rejects_misaligned_and_null_addresses():
         raw_step(engine, addr[0], addr[1], "float16", addr[2], addr[3], n)
 
 
+def test_native_hyperparameters_are_the_same_keywords_for_the_engine_and_the_pipeline():
+    """AdamW's keywords are keyword-only everywhere; HostAdamW.step needs lr .. step, a pipeline
+    job defaults them (one that updates nothing never reads them); both read them alike."""
+    hyper = dict(lr=2e-3, beta1=0.8, beta2=0.99, eps=1e-6, weight_decay=0.1, step=3, grad_scale=0.5,
+                 maximize=True)
+    n = 64
+    weight, grad, _, _ = fresh(n)
+    engine = _C.HostAdamW(1)
+    param, exp_avg, exp_avg_sq = weight.clone(), torch.zeros(n), torch.zeros(n)
+    addr = [t.data_ptr() for t in (param, grad, exp_avg, exp_avg_sq)]
+    with pytest.raises(TypeError):  # positional
+        engine.step(addr[0], addr[1], "float32", addr[2], addr[3], n, 2e-3, 0.8, 0.99, 1e-6, 0.1, 3)
+    without_lr = {k: v for k, v in hyper.items() if k != "lr"}
+    with pytest.raises(TypeError, match="lr"):
+        engine.step(addr[0], addr[1], "float32", addr[2], addr[3], n, **without_lr)
+    engine.step(addr[0], addr[1], "float32", addr[2], addr[3], n, **hyper)
+
+    pipeline = _C.host_pipeline(1)
+    host = pipeline.add_param(n, "float32", False)
+    device = weight.clone()
+    pipeline.load_weights(host, device.data_ptr())
+    pipeline.land_gradient(host, grad.data_ptr(), 0, norm=True)
+    pipeline.submit(host, update=True, device_weight=device.data_ptr(), **hyper)
+    pipeline.synchronize()
+    assert torch.equal(device, param) and not torch.equal(device, weight)
+
+
 @pytest.mark.gpu
 def test_cuda_tensors_are_rejected(engine):
     args = list(fresh())
