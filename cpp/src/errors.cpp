@@ -4,10 +4,13 @@
 
 namespace trainstream::detail {
 
-void throw_invalid(const std::string& what, const char* file, int line) {
+std::string source_location(const char* file, int line) {
   const char* base = std::strrchr(file, '/');
-  throw std::invalid_argument(what + " [" + (base ? base + 1 : file) + ":" + std::to_string(line) +
-                              "]");
+  return std::string(base ? base + 1 : file) + ":" + std::to_string(line);
+}
+
+void throw_invalid(const std::string& what, const char* file, int line) {
+  throw std::invalid_argument(what + " [" + source_location(file, line) + "]");
 }
 
 }  // namespace trainstream::detail

@@ -20,6 +20,8 @@ class Unsupported : public Error {
 };
 
 namespace detail {
+// "file.cpp:123": the file's base name and the line, as error messages cite a place in the source.
+std::string source_location(const char* file, int line);
 [[noreturn]] void throw_invalid(const std::string& what, const char* file, int line);
 }  // namespace detail
 
