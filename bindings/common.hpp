@@ -76,6 +76,7 @@ T* as_ptr(std::uintptr_t address) {
   return reinterpret_cast<T*>(address);
 }
 
+void bind_errors(py::module_& m);
 void bind_adamw(py::module_& m);
 void bind_pipeline(py::module_& m);
 void bind_cuda(py::module_& m);

@@ -23,9 +23,7 @@ PYBIND11_MODULE(_C, m) {
   using namespace trainstream;
   m.doc() = "TrainStream native core (host AdamW engine, CUDA copy engine)";
 
-  // Translators registered later are tried first: the subclass goes second.
-  auto& error = py::register_exception<Error>(m, "TrainStreamError", PyExc_RuntimeError);
-  py::register_exception<Unsupported>(m, "UnsupportedError", error.ptr());
+  bindings::bind_errors(m);
 
   m.attr("__version__") = TRAINSTREAM_VERSION;
 #ifdef TRAINSTREAM_HAS_CUDA

@@ -11,8 +11,11 @@ except ImportError as exc:  # pragma: no cover - only on a broken install
         "with `pip install .`."
     ) from exc
 
+# The native core's exceptions (see trainstream.errors for the whole hierarchy).
 TrainStreamError = _C.TrainStreamError
+NativeError = _C.NativeError
 UnsupportedError = _C.UnsupportedError
+CudaError = _C.CudaError
 
 
 def require_cuda_build() -> None:

@@ -39,6 +39,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from trainstream._native import _C
+from trainstream.errors import TrainingLoopError, UnsupportedSetupError
 from trainstream.timing import mark, seconds
 
 _GB = 1e9
@@ -296,7 +297,7 @@ class ActivationPager:
         self.blocks_name = name or "blocks"  # what messages call them
         if len(self.blocks) < 2:
             if share is not None or vram_budget is not None:
-                raise ValueError(
+                raise UnsupportedSetupError(
                     "activation paging needs the model's repeated blocks (e.g. its transformer layers), "
                     "but found no ModuleList of two or more modules of one class; pass "
                     "wrap(..., blocks=[...]) or activations='off'")
@@ -637,7 +638,7 @@ class ActivationPager:
             return packed.tensor
         if isinstance(packed, _Recast):
             if packed.param._version != packed.version:
-                raise RuntimeError(
+                raise TrainingLoopError(
                     "a weight was modified in place between forward and backward; TrainStream "
                     "recomputes autocast weight copies in backward and cannot do so now")
             with torch.no_grad():

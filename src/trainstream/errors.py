@@ -1,18 +1,46 @@
-"""Checks that turn unsupported set-ups into clear errors before anything trains wrongly."""
+"""TrainStream's exceptions, and the checks that turn unsupported set-ups into clear errors
+before anything trains wrongly.
+
+Every exception TrainStream raises as its own derives from TrainStreamError, and each also
+derives from the built-in exception it stands for, so ``except ValueError`` or ``except
+RuntimeError`` still catches it::
+
+    TrainStreamError
+    ├── UnsupportedSetupError (ValueError)  the model, optimizer or loop uses what is not supported
+    ├── VramBudgetError (RuntimeError)      no placement fits the VRAM budget
+    ├── TrainingLoopError (RuntimeError)    the loop did something TrainStream cannot follow
+    └── NativeError (RuntimeError)          the native core failed (host memory, a CUDA call)
+        ├── UnsupportedError                this build or this CPU cannot do what was asked
+        └── CudaError                       a CUDA runtime call failed: .code, .name, .call, .location
+
+TrainStreamError and the native ones are made by the compiled core (trainstream._C imports without
+torch) and raised from C++; they are re-exported here. Bad argument values are plain ValueError
+and TypeError, as Python and pybind11 raise them.
+"""
 
 from __future__ import annotations
 
 import torch
 
+from trainstream._native import CudaError, NativeError, TrainStreamError, UnsupportedError
+
 SUPPORTED_WEIGHT_DTYPES = (torch.float32, torch.bfloat16)
 
+__all__ = ["CudaError", "NativeError", "TrainStreamError", "TrainingLoopError", "UnsupportedError",
+           "UnsupportedSetupError", "VramBudgetError"]
 
-class UnsupportedSetupError(ValueError):
+
+class UnsupportedSetupError(TrainStreamError, ValueError):
     """The model, optimizer or training loop uses something TrainStream does not support."""
 
 
-class VramBudgetError(RuntimeError):
+class VramBudgetError(TrainStreamError, RuntimeError):
     """The training step cannot fit the VRAM budget in any placement; the message has the figures."""
+
+
+class TrainingLoopError(TrainStreamError, RuntimeError):
+    """The training loop did something TrainStream cannot follow, such as changing a weight between
+    a forward and its backward."""
 
 
 def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
