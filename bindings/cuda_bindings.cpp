@@ -1,4 +1,5 @@
-// Bindings for the CUDA copy engine; compiled only in CUDA builds.
+// Bindings for the CUDA layer: what the runtime reports, the pipeline over CUDA streams, and AdamW
+// and gradient norms on the GPU. Compiled only in CUDA builds.
 #include "common.hpp"
 #include <pybind11/stl.h>
 

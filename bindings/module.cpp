@@ -21,7 +21,7 @@ std::optional<Isa> parse_optional_isa(const std::optional<std::string>& name) {
 PYBIND11_MODULE(_C, m) {
   namespace py = pybind11;
   using namespace trainstream;
-  m.doc() = "TrainStream native core (host AdamW engine, CUDA copy engine)";
+  m.doc() = "TrainStream native core (host AdamW engine; CUDA copies, paging and GPU AdamW)";
 
   bindings::bind_errors(m);
 

@@ -107,9 +107,10 @@ void OffloadPipeline::land_gradient(const std::shared_ptr<HostParam>& p, std::ui
     route = Route::add;
   }
   if (route != Route::landing) job.accumulate = false;
-  // The old path always queues the job (even an empty one); the device path only one with work,
-  // since an empty job would make the next micro-batch's hook wait for this one to land. Later
-  // jobs still wait for this landing: enqueue() orders every job after the latest download.
+  // Without device accumulation every gradient queues its job (even an empty one); with it, only
+  // a job with work is queued, since an empty one would make the next micro-batch's hook wait for
+  // this one to land. Later jobs still wait for this landing: enqueue() orders every job after
+  // the latest download.
   const bool queue_job =
       !device_add || route == Route::landing || job.norm || job.update || job.device_weight != 0;
   // Only the landing route consumes the gradient in a job of its own, which reads the verdict.

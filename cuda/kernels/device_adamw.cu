@@ -4,9 +4,10 @@
 // and square root), and the norm follows grad_ops.hpp's blocks and order. So whether the planner
 // keeps a parameter on the GPU or offloads it, training gives the same bits.
 //
-// Both kernels take up to kBatch tensors by value (well inside the 4 KiB of kernel parameters)
-// and map thread blocks to fixed-size chunks of them, so a model's hundreds of parameters take a
-// handful of launches.
+// The AdamW and norm kernels take up to kBatch tensors at a time, by value (well inside the 4 KiB
+// of kernel parameters), and cut them into fixed-size pieces (kChunk elements a thread block for
+// AdamW, one norm block a warp for the norms), so a model's hundreds of parameters take a handful
+// of launches.
 #include <algorithm>
 
 #include "trainstream/cuda/device_adamw.hpp"

@@ -12,7 +12,7 @@ CudaInfo cuda_info() {
   if (status != cudaSuccess) {
     info.device_count = 0;
     info.error = cudaGetErrorString(status);
-    cudaGetLastError();  // clear the sticky-free error so later calls start clean
+    cudaGetLastError();  // clear it (it is not sticky) so later calls start clean
   }
   return info;
 }

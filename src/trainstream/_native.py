@@ -19,7 +19,7 @@ CudaError = _C.CudaError
 
 
 def require_cuda_build() -> None:
-    """Raise a clear error when the core was built without the CUDA copy engine."""
+    """Raise a clear error when the core was built without its CUDA layer."""
     if not _C.has_cuda:
         raise UnsupportedError(
             "this trainstream build has no CUDA support (it was compiled without a CUDA toolkit). "

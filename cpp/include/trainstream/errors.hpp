@@ -1,5 +1,6 @@
 // Error types of the native core. Everything the core rejects or fails at is thrown as one of
-// these (or std::invalid_argument for bad arguments); nothing here ever aborts the process.
+// these (or std::invalid_argument for bad arguments; the CUDA layer adds CudaError, in
+// trainstream/cuda/cuda_error.hpp); nothing here ever aborts the process.
 #pragma once
 
 #include <stdexcept>

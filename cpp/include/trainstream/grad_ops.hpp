@@ -1,5 +1,6 @@
 // Host-side gradient arithmetic the offload pipeline needs besides AdamW: summing micro-batch
-// gradients (fp32 accumulator) and squared norms for clipping. Spread over a thread pool.
+// gradients (fp32 accumulator), squared norms for clipping, sending bf16-exact gradients as bf16
+// and widening bf16 to fp32. The pooled ones spread over a thread pool.
 #pragma once
 
 #include <cstddef>

@@ -13,7 +13,8 @@
 
 namespace trainstream {
 
-// A parameter's synchronisation objects (CUDA: a download and an upload event).
+// A parameter's synchronisation objects (CUDA: events for its gradient's production, download and
+// upload).
 class TransferSlot {
  public:
   virtual ~TransferSlot() = default;
