@@ -20,6 +20,7 @@ BUILT_IN_BASE = {
     "UnsupportedSetupError": ValueError,
     "VramBudgetError": RuntimeError,
     "TrainingLoopError": RuntimeError,
+    "HostMemoryError": MemoryError,
     "NativeError": RuntimeError,
     "UnsupportedError": RuntimeError,
     "CudaError": RuntimeError,
@@ -90,3 +91,14 @@ def test_every_error_is_in_the_troubleshooting_table():
     table = html.unescape(table[:table.index("</table>")])
     for name in errors.__all__:
         assert f"<code>{name}</code>" in table, f"{name} is not in docs/index.html's troubleshooting table"
+
+
+def test_host_memory_refusal_is_a_host_memory_error(monkeypatch):
+    from trainstream.testing import TinyLM
+
+    monkeypatch.setattr(_C, "host_memory_available", lambda: 1000)  # bytes, as wrap() reads them
+    model = TinyLM()
+    with pytest.raises(errors.HostMemoryError, match="host RAM") as caught:
+        trainstream.wrap(model, torch.optim.AdamW(model.parameters()),
+                         tuning=trainstream.Tuning(placement="offload"))
+    assert isinstance(caught.value, MemoryError)

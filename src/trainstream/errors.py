@@ -9,6 +9,7 @@ RuntimeError`` still catches it::
     ├── UnsupportedSetupError (ValueError)  the model, optimizer or loop uses what is not supported
     ├── VramBudgetError (RuntimeError)      no placement fits the VRAM budget
     ├── TrainingLoopError (RuntimeError)    the loop did something TrainStream cannot follow
+    ├── HostMemoryError (MemoryError)       host RAM cannot hold what the placement needs there
     └── NativeError (RuntimeError)          the native core failed (host memory, a CUDA call)
         ├── UnsupportedError                this build or this CPU cannot do what was asked
         └── CudaError                       a CUDA runtime call failed: .code, .name, .call, .location
@@ -26,8 +27,8 @@ from trainstream._native import CudaError, NativeError, TrainStreamError, Unsupp
 
 SUPPORTED_WEIGHT_DTYPES = (torch.float32, torch.bfloat16)
 
-__all__ = ["CudaError", "NativeError", "TrainStreamError", "TrainingLoopError", "UnsupportedError",
-           "UnsupportedSetupError", "VramBudgetError"]
+__all__ = ["CudaError", "HostMemoryError", "NativeError", "TrainStreamError", "TrainingLoopError",
+           "UnsupportedError", "UnsupportedSetupError", "VramBudgetError"]
 
 
 class UnsupportedSetupError(TrainStreamError, ValueError):
@@ -41,6 +42,10 @@ class VramBudgetError(TrainStreamError, RuntimeError):
 class TrainingLoopError(TrainStreamError, RuntimeError):
     """The training loop did something TrainStream cannot follow, such as changing a weight between
     a forward and its backward."""
+
+
+class HostMemoryError(TrainStreamError, MemoryError):
+    """Host RAM cannot hold what the placement keeps there; the message has the figures."""
 
 
 def check_optimizer(optimizer: torch.optim.Optimizer) -> None:

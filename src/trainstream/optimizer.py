@@ -21,8 +21,8 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 
 from trainstream import placement as planner
-from trainstream.errors import (GRAD_SCALER_MESSAGE, UnsupportedSetupError, VramBudgetError, check_autocast,
-                                check_compile_mode, check_single_process, compiled_wrappers)
+from trainstream.errors import (GRAD_SCALER_MESSAGE, TrainingLoopError, UnsupportedSetupError, VramBudgetError,
+                                check_autocast, check_compile_mode, check_single_process, compiled_wrappers)
 from trainstream.host_adamw import DTYPE_NAMES
 from trainstream.profiler import StepProfiler, measure_bandwidths
 from trainstream._native import _C
@@ -362,7 +362,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
             self._backward_tasks.add(task)
             torch.autograd.Variable._execution_engine.queue_callback(lambda: self._on_backward_end(task))
         if self._micro >= self.accumulation_steps:
-            raise RuntimeError(
+            raise TrainingLoopError(
                 f"accumulation_steps={self.accumulation_steps} backward passes have run since the "
                 f"last optimizer.step(); call optimizer.step() before the next backward"
             )

@@ -6,8 +6,8 @@ import torch
 
 from trainstream._native import _C, require_cuda_build
 from trainstream.activations import ActivationPager, parse_bytes
-from trainstream.errors import (UnsupportedSetupError, VramBudgetError, check_compile_mode, check_not_distributed,
-                                check_optimizer, check_weight_dtype)
+from trainstream.errors import (HostMemoryError, UnsupportedSetupError, VramBudgetError, check_compile_mode,
+                                check_not_distributed, check_optimizer, check_weight_dtype)
 from trainstream.optimizer import OffloadedAdamW, resident_at_start, wrapped_by
 from trainstream.placement import reserve_for
 from trainstream.tuning import Tuning
@@ -186,7 +186,7 @@ def _check_host_memory(params: list[torch.Tensor], host_accumulator: bool) -> No
     available = _C.host_memory_available()
     if available and needed > available:
         count = sum(p.numel() for p in params)
-        raise MemoryError(
+        raise HostMemoryError(
             f"TrainStream needs {needed / _GIB:.1f} GiB of host RAM for {count / 1e9:.2f}B trainable "
             f"parameters ({needed / count:.0f} bytes each: fp32 master weights, two AdamW moments, "
             f"a gradient buffer{', an fp32 accumulator' if host_accumulator else ''}), but only "
