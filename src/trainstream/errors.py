@@ -21,6 +21,8 @@ and TypeError, as Python and pybind11 raise them.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from trainstream._native import CudaError, NativeError, TrainStreamError, UnsupportedError
@@ -181,8 +183,6 @@ def check_compile_mode(compiled: torch.nn.Module) -> None:
 def compiled_wrappers(model: torch.nn.Module, depth: int = 40) -> list[torch.nn.Module]:
     """The torch.compile wrappers (OptimizedModule) of `model` among the callers of this call:
     how a hook of `model` sees that it was compiled after wrap()."""
-    import sys
-
     found, frame = [], sys._getframe(1)
     for _ in range(depth):
         if frame is None:

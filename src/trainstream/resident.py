@@ -46,6 +46,7 @@ class GradientNorms:
 
     def add(self, index: int, grad: torch.Tensor) -> None:
         """Queues (CUDA) or takes (CPU) the squared norm of `grad` into slot `index`."""
+        grad = grad.contiguous()  # the kernels read numel elements from data_ptr()
         if self._device.type != "cuda":
             self._values[index] = self._resident.norms([grad]).values()[0]
             return
