@@ -48,17 +48,17 @@ HostArena::~HostArena() {
 
 void* HostArena::allocate(std::size_t bytes) {
   TS_EXPECTS(bytes > 0, "HostArena: zero-byte allocation");
-  const std::size_t rounded = (bytes + kAlignment - 1) / kAlignment * kAlignment;
+  const std::size_t size = rounded(bytes);
   std::lock_guard<std::mutex> lock(mutex_);
   for (auto& s : slabs_) {  // first fit: few slabs, and blocks are never returned
-    if (s.bytes - s.used >= rounded) {
+    if (s.bytes - s.used >= size) {
       char* p = s.base + s.used;
-      s.used += rounded;
-      used_ += rounded;
+      s.used += size;
+      used_ += size;
       return p;
     }
   }
-  const std::size_t slab = std::max(slab_bytes_, rounded);
+  const std::size_t slab = std::max(slab_bytes_, size);
   const std::size_t available = host_memory_available();
   if (available != 0 && slab > available) {
     throw Error("host memory: need " + gib(slab) + " more " + source_->kind() +
@@ -66,8 +66,8 @@ void* HostArena::allocate(std::size_t bytes) {
                 ") but only " + gib(available) + " is available");
   }
   char* base = static_cast<char*>(source_->allocate(slab));
-  slabs_.push_back({base, slab, rounded});
-  used_ += rounded;
+  slabs_.push_back({base, slab, size});
+  used_ += size;
   return base;
 }
 

@@ -94,7 +94,7 @@ void OffloadPipeline::load_weights(HostParam& p, std::uintptr_t device_weight, s
 
 void OffloadPipeline::land_gradient(const std::shared_ptr<HostParam>& p, std::uintptr_t device_grad,
                                     std::uintptr_t producer_stream, const GradJob& requested) {
-  check_accumulator(*p, requested);  // before anything is written to it
+  check_job(*p, requested);  // before anything is written to it
   GradJob job = requested;
   const bool device_add = device_accumulate_;
   // Where the gradient goes: the first fp32 micro-batch is copied straight into the accumulator;
@@ -169,11 +169,8 @@ void OffloadPipeline::land_gradient(const std::shared_ptr<HostParam>& p, std::ui
 void OffloadPipeline::submit(const std::shared_ptr<HostParam>& p, const GradJob& job) { enqueue(p, job); }
 
 std::size_t OffloadPipeline::speculation_bytes(std::size_t numel, DType weight_dtype) {
-  const auto rounded = [](std::size_t bytes) {
-    return (bytes + HostArena::kAlignment - 1) / HostArena::kAlignment * HostArena::kAlignment;
-  };
-  std::size_t bytes = 2 * rounded(4 * numel);
-  if (weight_dtype == DType::bfloat16) bytes += rounded(4 * numel) + rounded(2 * numel);
+  std::size_t bytes = 2 * HostArena::rounded(4 * numel);
+  if (weight_dtype == DType::bfloat16) bytes += HostArena::rounded(4 * numel) + HostArena::rounded(2 * numel);
   return bytes;
 }
 
@@ -223,7 +220,7 @@ void OffloadPipeline::wait(const std::vector<HostParam*>& params) {
   for (HostParam* p : params) wait_idle(*p, lock);
 }
 
-void OffloadPipeline::check_accumulator(const HostParam& p, const GradJob& job) {
+void OffloadPipeline::check_job(const HostParam& p, const GradJob& job) {
   TS_EXPECTS(!(job.accumulate || job.from_accumulator) || p.accumulator,
              "OffloadPipeline: accumulation requested for a parameter without an accumulator");
   TS_EXPECTS(!(job.speculate || job.commit) || p.next_exp_avg,
@@ -235,7 +232,7 @@ void OffloadPipeline::check_accumulator(const HostParam& p, const GradJob& job) 
 }
 
 void OffloadPipeline::enqueue(const std::shared_ptr<HostParam>& p, const GradJob& job, bool landing, bool packed) {
-  check_accumulator(*p, job);
+  check_job(*p, job);
   {
     std::lock_guard<std::mutex> lock(mutex_);
     rethrow_locked();

@@ -259,9 +259,9 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self.speculation["params"] = sum(self._speculates(s) for s in self._order)
 
     def _commit(self, slot: _Slot) -> None:
-        """Queues the commit of a speculative update; the state's views follow the swap."""
-        self._pipeline.submit(slot.host, commit=True, device_weight=slot.param.data_ptr(),
-                              **self._hyper(slot, grad_scale=1.0))
+        """Queues the commit of a speculative update (with the hyperparameters it ran with: the
+        decay the upload applies); the state's views follow the swap."""
+        self._pipeline.submit(slot.host, commit=True, device_weight=slot.param.data_ptr(), **slot.speculated)
         for key, view in slot.next_state.items():
             slot.next_state[key], slot.state[key] = slot.state[key], view
 

@@ -32,6 +32,10 @@ std::size_t host_memory_available();
 class HostArena {
  public:
   static constexpr std::size_t kAlignment = 64;
+  // What allocate(bytes) takes from a slab: bytes rounded up to kAlignment.
+  static constexpr std::size_t rounded(std::size_t bytes) {
+    return (bytes + kAlignment - 1) / kAlignment * kAlignment;
+  }
 
   explicit HostArena(std::unique_ptr<SlabSource> source, std::size_t slab_bytes = std::size_t(256) << 20);
   ~HostArena();

@@ -202,7 +202,7 @@ class OffloadPipeline {
     std::size_t next_chunk = 0, chunks_done = 0;  // under the mutex
     std::vector<double> partial;  // squared norm of each norm block (grad_ops.hpp)
   };
-  static void check_accumulator(const HostParam& p, const GradJob& job);
+  static void check_job(const HostParam& p, const GradJob& job);
   void enqueue(const std::shared_ptr<HostParam>& p, const GradJob& job, bool landing = false, bool packed = false);
   void wait_idle(HostParam& p, std::unique_lock<std::mutex>& lock);
   std::unique_ptr<Task> pick_locked();
