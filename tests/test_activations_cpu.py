@@ -12,14 +12,14 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import trainstream
-from trainstream import activations
+from trainstream.activations import pager as activation_pager
 from trainstream.activations import Plan, Profile, find_blocks, parse_bytes, plan_paging
 from trainstream.testing import TinyLM
 
 
 @pytest.fixture(autouse=True)
 def page_small_tensors(monkeypatch):
-    monkeypatch.setattr(activations, "MIN_BYTES", 1024)  # the test models' activations are small
+    monkeypatch.setattr(activation_pager, "MIN_BYTES", 1024)  # the test models' activations are small
 
 
 def test_find_blocks_picks_the_layer_stack():
@@ -284,7 +284,7 @@ def test_blocks_that_update_a_cache_are_not_recomputed():
     torch.manual_seed(0)
     model, ref = CacheNet(), CacheNet()
     ref.load_state_dict(model.state_dict())
-    pager = activations.ActivationPager(model, device=torch.device("cpu"), share=0.0, vram_budget=None)
+    pager = activation_pager.ActivationPager(model, device=torch.device("cpu"), share=0.0, vram_budget=None)
     pager._apply_plan(Plan(0, 2, "test", recomputed=(1, 2)))
     x = torch.randn(64, 48)
     cache = []

@@ -102,13 +102,13 @@ def test_no_leak_over_100_steps():
     assert native.stats()["in_use_bytes"] == 0
 
 
-def wrapped_run(steps=4, layers=8, **wrap_kwargs):
+def wrapped_run(steps=4, layers=8, recompute=True, **wrap_kwargs):
     """wrap() on a 1024-wide model, batch 16x512; returns the optimizer and the last step's peak.
 
     Gradients and AdamW state live on the host, so the peak is weights plus activations."""
     model = tiny(torch.float32, dim=1024, layers=layers)
-    model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-4),
-                                  **wrap_kwargs, tuning=trainstream.Tuning(placement="offload"))
+    model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-4), **wrap_kwargs,
+                                  tuning=trainstream.Tuning(placement="offload", recompute=recompute))
     for step in range(steps):
         opt.synchronize()
         torch.cuda.synchronize()

@@ -1,5 +1,5 @@
 """Set-ups wrap() refuses with a message rather than train wrongly: torch.distributed engines it
-does not compose with yet, and a model that is already wrapped."""
+does not compose with yet (and DDP set-ups it cannot serve), and a model that is already wrapped."""
 
 from __future__ import annotations
 
@@ -27,21 +27,29 @@ def process_group():
         dist.destroy_process_group()
 
 
-def test_ddp_is_refused(process_group):
+def test_ddp_setups_it_cannot_serve_are_refused(process_group):
     model = torch.nn.parallel.DistributedDataParallel(TinyLM())
-    with pytest.raises(trainstream.UnsupportedSetupError, match="DistributedDataParallel"):
+    for tuning in (trainstream.Tuning(placement="gpu"), trainstream.Tuning(accumulate_in_vram=False)):
+        with pytest.raises(trainstream.UnsupportedSetupError, match="DistributedDataParallel"):
+            trainstream.wrap(model, torch.optim.AdamW(model.parameters()), tuning=tuning)
+    model.register_comm_hook(None, lambda _, bucket: torch.futures.Future())  # someone else's hook
+    with pytest.raises(trainstream.UnsupportedSetupError, match="communication hook"):
         trainstream.wrap(model, torch.optim.AdamW(model.parameters()))
 
 
-def test_fsdp2_is_refused(process_group):
-    from torch.distributed.fsdp import fully_shard
+@pytest.mark.parametrize("setup", ["blocks only", "CPUOffloadPolicy", "placement gpu"])
+def test_fsdp2_setups_it_cannot_serve_are_refused(process_group, setup):
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
     model = TinyLM()
+    policy = {"offload_policy": CPUOffloadPolicy(pin_memory=False)} if setup == "CPUOffloadPolicy" else {}
     for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
-    with pytest.raises(trainstream.UnsupportedSetupError, match="FSDP2"):
-        trainstream.wrap(model, torch.optim.AdamW(model.parameters()))
+        fully_shard(block, **policy)
+    if setup != "blocks only":
+        fully_shard(model, **policy)
+    tuning = trainstream.Tuning(placement="gpu") if setup == "placement gpu" else None
+    with pytest.raises(trainstream.UnsupportedSetupError, match="FSDP2 model: .*(fully_shard|CPUOffloadPolicy|placement)"):
+        trainstream.wrap(model, torch.optim.AdamW(model.parameters()), tuning=tuning)
 
 
 def test_dtensor_parameters_are_refused(process_group):

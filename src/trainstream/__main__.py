@@ -22,7 +22,7 @@ import torch
 
 import trainstream
 from trainstream._native import _C
-from trainstream.activations import measure_copy_bandwidth
+from trainstream.profiler import measure_copy_bandwidth
 
 
 def _step(message: str) -> None:

@@ -79,28 +79,29 @@ def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
 
 def check_not_distributed(model: torch.nn.Module, params: list[torch.Tensor]) -> None:
     """Refuse the torch.distributed engines TrainStream does not compose with yet: each would
-    train silently wrong (our hooks see gradients before DDP's all-reduce) or crash (FSDP's
-    sharded parameters)."""
+    train silently wrong (our hooks would see gradients before the engine reduces them) or crash
+    (sharded parameters). DistributedDataParallel and FSDP2, as the model wrap() is given, are
+    supported (trainstream.distributed checks the details)."""
     engine = None
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-        engine = "DistributedDataParallel"
-    elif type(model).__module__.startswith("deepspeed"):
+        return
+    if type(model).__module__.startswith("deepspeed"):
         engine = f"a DeepSpeed engine ({type(model).__name__})"
     else:
-        for module in model.modules():
-            kind = _fsdp_kind(module)
-            if kind:
-                engine = kind
-                break
+        kinds = {_fsdp_kind(module) for module in model.modules()} - {None}
+        if "FullyShardedDataParallel (FSDP1)" in kinds:
+            engine = "FullyShardedDataParallel (FSDP1); use FSDP2's fully_shard"
+        elif kinds:
+            return  # FSDP2
     if engine is None and any(_is_dtensor(p) for p in params):
-        engine = "DTensor parameters (tensor parallelism or FSDP2's fully_shard)"
+        engine = "DTensor parameters outside FSDP2 (tensor parallelism)"
     if engine is None:
         check_single_process()
         return
     raise UnsupportedSetupError(
         f"trainstream.wrap() does not support {engine} yet: the gradients it would offload are not "
-        f"the reduced ones, or the parameters are shards, so training would be wrong. Wrap the model "
-        f"on one GPU without torch.distributed, or train this model with its engine's own optimizer.")
+        f"the reduced ones, or the parameters are shards, so training would be wrong. For several GPUs, "
+        f"wrap a DistributedDataParallel or FSDP2 model; or train this model with its engine's own optimizer.")
 
 
 def check_single_process() -> None:
@@ -113,7 +114,8 @@ def check_single_process() -> None:
             raise UnsupportedSetupError(
                 f"TrainStream trains on one GPU in one process, but this process is one of {world} in a "
                 f"torch.distributed group: its hooks would take each rank's gradients before they are "
-                f"reduced, and the ranks would drift apart. Several GPUs are not supported yet.")
+                f"reduced, and the ranks would drift apart. For several GPUs, wrap the DistributedDataParallel "
+                f"model itself: trainstream.wrap(DistributedDataParallel(model), optimizer).")
 
 
 def _fsdp_kind(module: torch.nn.Module) -> str | None:

@@ -68,7 +68,7 @@ class _Slot:
     param: torch.nn.Parameter
     host: object  # trainstream._C.HostParam, or None for a parameter resident from the start
     group: dict
-    version: int  # param._version when host master and device weights last agreed
+    version: int  # weight._version when host master and device weights last agreed
     index: int  # position in forward (registration) order: the order norms are added in
     step: int = 0
     landed: bool = False  # a gradient arrived in the current accumulation window
@@ -81,6 +81,18 @@ class _Slot:
     # the hyperparameters of this window's host update, if it started before the global norm was known
     speculated: dict | None = None
     next_state: dict | None = None  # views of the next-state buffers a commit swaps with `state`
+    peer: bool = False  # another rank updates it (DDP), or this rank's FSDP2 shard of it is empty
+    sharded: bool = False  # an FSDP2 parameter: this rank holds and updates one shard of it
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The tensor this process updates: the parameter, or its FSDP2 shard on this rank."""
+        return self.param._local_tensor if self.sharded else self.param
+
+    @property
+    def offloaded(self) -> bool:
+        """Updated by this process's host threads (neither resident nor another rank's)."""
+        return self.host is not None and not self.resident
 
 
 class OffloadedAdamW(torch.optim.Optimizer):
@@ -98,10 +110,13 @@ class OffloadedAdamW(torch.optim.Optimizer):
                  device: torch.device, max_grad_norm: float | None, accumulation_steps: int,
                  track_grad_norm: bool, streams: tuple | None, activation_pager=None,
                  accumulate_in_vram: bool | None = None, placement: str | float = "offload",
-                 vram_budget: int | None = None, threads: int = 0, isa: str | None = None) -> None:
+                 vram_budget: int | None = None, threads: int = 0, isa: str | None = None,
+                 data_parallel=None, sharded=None) -> None:
         super().__init__(source.param_groups, source.defaults)
         self.param_groups = source.param_groups  # the very same list: edits show on both sides
         self._pipeline = pipeline
+        self._dp = data_parallel  # trainstream.distributed.DataParallel under DDP, else None
+        self._shards = sharded  # trainstream.distributed.Sharded under FSDP2, else None
         self._device = device
         self._streams = streams  # (download, upload) torch streams, kept alive here
         self.activation_pager = activation_pager  # trainstream.activations.ActivationPager or None
@@ -152,6 +167,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self.speculation = {"params": 0, "host_bytes": 0, "hits": 0, "misses": 0, "waited": 0}
         self._register(model)
         self._sync_packing()
+        if self._dp is not None:
+            self._dp.attach(self)
 
     # ----------------------------------------------------------------------------- set-up
     def _register(self, model: torch.nn.Module) -> None:
@@ -164,25 +181,31 @@ class OffloadedAdamW(torch.optim.Optimizer):
                     seen.add(id(p))
                     trainable.append((p, group))
         resident_count = resident_at_start(self._placement, len(trainable))
-        # host accumulators: for every parameter that may sum its micro-batches on the host
-        host_sums = acc > 1 and self._vram_sums is not True
+        # host accumulators: for every parameter that may sum its micro-batches on the host (under
+        # DDP, micro-batches are summed where DDP sums them, in VRAM)
+        host_sums = acc > 1 and self._vram_sums is not True and self._dp is None
+        owners = self._dp.owners if self._dp is not None else None
         for i, (p, group) in enumerate(trainable):
-            resident = i < resident_count
+            weight = p._local_tensor if self._shards is not None else p
+            peer = owners is not None and owners[i] != self._dp.rank or weight.numel() == 0
+            resident = i < resident_count and not peer
             host = None
-            if not resident:
+            if not resident and not peer:
                 # registration order stands in for forward order (embeddings, layers, head)
-                host = self._pipeline.add_param(p.numel(), DTYPE_NAMES[p.dtype], host_sums, i)
-                self._pipeline.load_weights(host, p.data_ptr(), self._current_stream())
-            slot = _Slot(p, host, group, p._version, i)
+                host = self._pipeline.add_param(weight.numel(), DTYPE_NAMES[p.dtype], host_sums, i)
+                self._pipeline.load_weights(host, weight.data_ptr(), self._current_stream())
+            slot = _Slot(p, host, group, weight._version, i, peer=peer, sharded=self._shards is not None)
             slot.state = {"step": torch.tensor(0.0)}
             if resident:
                 slot.resident = True
                 slot.device_state = ResidentAdamW.new_state(p, acc)
                 slot.state.update({k: v for k, v in slot.device_state.items() if k != "accumulator"})
-            else:
+            elif not peer:
                 slot.state.update(self._host_state(slot))
-                slot.sum_in_vram = self._vram_sums is True and acc > 1 and p.dtype == torch.float32
-            self.state[p] = slot.state
+                slot.sum_in_vram = acc > 1 and (self._dp is not None or
+                                                self._vram_sums is True and p.dtype == torch.float32)
+            if not peer:  # a peer's state lives on its owner
+                self.state[p] = slot.state
             self._slots[p] = slot
             self._order.append(slot)
             self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
@@ -212,28 +235,28 @@ class OffloadedAdamW(torch.optim.Optimizer):
 
     def _host_state(self, slot: _Slot) -> dict:
         """torch AdamW's state entries as views of the parameter's host buffers."""
-        state = {"exp_avg": self._host_tensor(slot.host, "exp_avg", slot.param),
-                 "exp_avg_sq": self._host_tensor(slot.host, "exp_avg_sq", slot.param)}
+        state = {"exp_avg": self._host_tensor(slot.host, "exp_avg", slot.weight),
+                 "exp_avg_sq": self._host_tensor(slot.host, "exp_avg_sq", slot.weight)}
         if slot.param.dtype == torch.bfloat16:  # the fp32 master is what bf16 training resumes from
-            state["master_param"] = self._host_tensor(slot.host, "master", slot.param)
+            state["master_param"] = self._host_tensor(slot.host, "master", slot.weight)
         return state
 
     def _build_gates(self) -> None:
         """What each module's gate waits for: the uploads of its offloaded parameters (resident
         ones are updated on the compute stream itself, before any later kernel reads them)."""
         self._gated = {}
-        for module in self._model.modules():
+        for module in self._model.modules() if self._shards is None else ():  # FSDP2: see _before_forward
             own = [self._slots[p].host for p in module.parameters(recurse=False)
-                   if p in self._slots and not self._slots[p].resident]
+                   if p in self._slots and self._slots[p].offloaded]
             if own:
                 self._gated[module] = own
-        self._hosts = [s.host for s in self._order if not s.resident]
+        self._hosts = [s.host for s in self._order if s.offloaded]
 
     def _speculates(self, slot: _Slot) -> bool:
         """Whether this slot's update may start before the global norm is known: it has next-state
         buffers, and the update reads a gradient the device measured (not a host sum), and
         writes no state without a twin (fp32 masters are state when update terms are off)."""
-        return (slot.next_state is not None and not slot.resident and not self._sums_on_host(slot)
+        return (slot.next_state is not None and slot.offloaded and not self._sums_on_host(slot)
                 and (slot.param.dtype == torch.bfloat16 or self._pipeline.upload_terms))
 
     def _enable_speculation(self) -> None:
@@ -245,30 +268,30 @@ class OffloadedAdamW(torch.optim.Optimizer):
         available = _C.host_memory_available()
         room = available - max(_SPECULATION_RESERVE, available // 10) if available else float("inf")
         for s in reversed(self._order):
-            if s.next_state is not None or s.resident or self._sums_on_host(s):
+            if s.next_state is not None or not s.offloaded or self._sums_on_host(s):
                 continue
-            need = self._pipeline.speculation_bytes(s.param.numel(), DTYPE_NAMES[s.param.dtype])
+            need = self._pipeline.speculation_bytes(s.weight.numel(), DTYPE_NAMES[s.param.dtype])
             if need > room:
                 continue
             room -= need
             self.speculation["host_bytes"] += self._pipeline.enable_speculation(s.host)
-            s.next_state = {"exp_avg": self._host_tensor(s.host, "next_exp_avg", s.param),
-                            "exp_avg_sq": self._host_tensor(s.host, "next_exp_avg_sq", s.param)}
+            s.next_state = {"exp_avg": self._host_tensor(s.host, "next_exp_avg", s.weight),
+                            "exp_avg_sq": self._host_tensor(s.host, "next_exp_avg_sq", s.weight)}
             if s.param.dtype == torch.bfloat16:
-                s.next_state["master_param"] = self._host_tensor(s.host, "next_master", s.param)
+                s.next_state["master_param"] = self._host_tensor(s.host, "next_master", s.weight)
         self.speculation["params"] = sum(self._speculates(s) for s in self._order)
 
     def _commit(self, slot: _Slot) -> None:
         """Queues the commit of a speculative update (with the hyperparameters it ran with: the
         decay the upload applies); the state's views follow the swap."""
-        self._pipeline.submit(slot.host, commit=True, device_weight=slot.param.data_ptr(), **slot.speculated)
+        self._pipeline.submit(slot.host, commit=True, device_weight=slot.weight.data_ptr(), **slot.speculated)
         for key, view in slot.next_state.items():
             slot.next_state[key], slot.state[key] = slot.state[key], view
 
     def _ensure_staging(self) -> None:
         """The VRAM buffer that offloaded fp32 parameters' update terms cross through, sized for
         the largest of them (none when no fp32 parameter is offloaded)."""
-        fp32 = [s.param.numel() for s in self._order if not s.resident and s.param.dtype == torch.float32]
+        fp32 = [s.weight.numel() for s in self._order if s.offloaded and s.param.dtype == torch.float32]
         floats = min(max(fp32), _STAGING_FLOATS) if fp32 and self._device.type == "cuda" else 0
         if floats == (self._staging.numel() if self._staging is not None else 0):
             return
@@ -286,8 +309,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
             # next update reads it.
             self.synchronize()
             for s in self._order:
-                if not s.resident and s.param.dtype == torch.float32:
-                    self._pipeline.load_weights(s.host, s.param.data_ptr(), self._current_stream())
+                if s.offloaded and s.param.dtype == torch.float32:
+                    self._pipeline.load_weights(s.host, s.weight.data_ptr(), self._current_stream())
         self._upload_terms = on
         self._pipeline.upload_terms = on
         if on:
@@ -306,7 +329,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         return 0
 
     def _install_gates(self) -> None:
-        self._gates_on = bool(self._gated)
+        self._gates_on = bool(self._hosts)
 
     def _remove_gates(self) -> None:
         self._gates_on = False
@@ -320,6 +343,12 @@ class OffloadedAdamW(torch.optim.Optimizer):
             if self._forwards == 0 and self._profiler is not None:
                 self._placement_window_starts(args, kwargs)
             self._forwards += 1
+        if self._shards is not None and self._gates_on:
+            # FSDP2 all-gathers a module's shards before its forward (and prefetches the next
+            # module's): the whole forward waits for every upload, as FSDP2 orders its all-gathers
+            # after the current stream.
+            self._pipeline.gate(self._hosts, self._current_stream())
+            self._remove_gates()
         # Once no update is queued and every upload has finished, no module needs to wait for its
         # weights: the gates stand down until the next update is queued (_mark_updated). Within an
         # accumulation window, forwards after the first then make no native call per module.
@@ -354,7 +383,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
         slot = self._slots[param]
         if grad.is_sparse:
             raise UnsupportedSetupError("sparse gradients are not supported by TrainStream")
-        if not self._checked_processes:  # a launcher may have wrapped the model in DDP after wrap()
+        if not self._checked_processes and self._dp is None and self._shards is None:
+            # a launcher may have added DDP after wrap()
             check_single_process()
             self._checked_processes = True
         task = torch._C._current_graph_task_id()
@@ -368,7 +398,24 @@ class OffloadedAdamW(torch.optim.Optimizer):
             )
         if self._profiler is not None and self._profiler.recording:
             self._profiler.gradient(slot.index)
-        last = self._micro == self.accumulation_steps - 1
+        if self._shards is not None:
+            # FSDP2 calls this hook itself, with the reduce-scattered shard (its stream current)
+            # after each backward; with set_requires_gradient_sync(False) only after the last
+            # micro-batch's, so the window's last is counted by forwards, as under DDP.
+            self._take(slot, grad._local_tensor, last=self._forwards >= self.accumulation_steps)
+        elif self._dp is None:  # under DDP the gradient is not reduced yet: see _on_reduced
+            self._take(slot, grad, last=self._micro == self.accumulation_steps - 1)
+
+    def _on_reduced(self, param: torch.nn.Parameter, grad: torch.Tensor) -> None:
+        """Under DDP: `param`'s gradient averaged over the ranks (a view of DDP's bucket, which DDP
+        copies into .grad when backward ends). The window's last micro-batch is the one whose
+        forward was the window's `accumulation_steps`-th."""
+        self._take(self._slots[param], grad, last=self._forwards >= self.accumulation_steps)
+
+    def _take(self, slot: _Slot, grad: torch.Tensor, last: bool) -> None:
+        """One micro-batch's gradient of `slot`: summed, measured, sent or applied as its
+        placement says."""
+        param = slot.param
         first = not slot.landed
         if first:
             slot.landed = True
@@ -385,16 +432,22 @@ class OffloadedAdamW(torch.optim.Optimizer):
                     total.add_(grad)
                 param.grad = None
             return
-        if param._version != slot.version:  # the weights were changed behind our back
-            self._pipeline.load_weights(slot.host, param.data_ptr(), self._current_stream())
-            slot.version = param._version
+        if slot.peer:  # another rank updates it; every rank measures it, for the same global norm
+            if last and self._track_norm:
+                self._measure_on_device(slot, grad)
+            return
+        weight = slot.weight
+        if weight._version != slot.version:  # the weights were changed behind our back
+            self._pipeline.load_weights(slot.host, weight.data_ptr(), self._current_stream())
+            slot.version = weight._version
         if slot.sum_in_vram and not last:
             return  # autograd adds the next micro-batch into param.grad
         host_sum = self._sums_on_host(slot)
         # With clipping, a gradient the device holds whole is measured there before it leaves, and
         # its update may start now with a clip coefficient of 1, committed at step() if the global
         # norm says so and redone from the untouched state if not.
-        device_norm = last and self.max_grad_norm is not None and not host_sum
+        device_norm = last and not host_sum and (self.max_grad_norm is not None or
+                                                 self._dp is not None and self._track_norm)
         speculate = device_norm and self._speculation_on and self._last_unclipped and self._speculates(slot)
         update_now = last and (self.max_grad_norm is None or speculate)
         job = dict(
@@ -404,10 +457,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
             norm=last and self._track_norm and not device_norm,
         )
         if device_norm:
-            if self._grad_norms is None:  # the first clipped window (max_grad_norm may be set later)
-                self._grad_norms = GradientNorms(self._device, len(self._order), self._resident)
-            self._grad_norms.add(slot.index, grad)
-            slot.norm_on_device = True
+            self._measure_on_device(slot, grad)
         if update_now:
             job.update(self._update_args(slot, grad_scale=1.0), speculate=speculate)
         self._send(slot, grad, job)
@@ -416,8 +466,16 @@ class OffloadedAdamW(torch.optim.Optimizer):
         elif update_now:
             self._mark_updated(slot)
 
+    def _measure_on_device(self, slot: _Slot, grad: torch.Tensor) -> None:
+        if self._grad_norms is None:  # the first clipped window (max_grad_norm may be set later)
+            self._grad_norms = GradientNorms(self._device, len(self._order), self._resident)
+        if grad.numel():  # (an empty FSDP2 shard's slot stays 0)
+            self._grad_norms.add(slot.index, grad)
+        slot.norm_on_device = True
+        self._norm_pending = True
+
     def _sums_on_host(self, slot: _Slot) -> bool:
-        return self.accumulation_steps > 1 and not slot.sum_in_vram and not slot.resident
+        return self.accumulation_steps > 1 and not slot.sum_in_vram and slot.offloaded
 
     def _send(self, slot: _Slot, grad: torch.Tensor, job: dict) -> None:
         """Hands a gradient to the pipeline (copy out, then `job` on the host) and frees it."""
@@ -426,7 +484,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self._pipeline.land_gradient(slot.host, grad.data_ptr(), self._current_stream(), **job)
         if grad.is_cuda:  # the download stream reads it: keep its memory from reuse until then
             grad.record_stream(self._streams[0])
-        slot.param.grad = None
+        if self._dp is None:  # (DDP's bucket is DDP's: step() clears .grad under DDP)
+            slot.param.grad = None
         self._norm_pending = self._track_norm
 
     def _on_backward_end(self, task: int) -> None:
@@ -449,10 +508,10 @@ class OffloadedAdamW(torch.optim.Optimizer):
         )
 
     def _update_args(self, slot: _Slot, grad_scale: float) -> dict:
-        return dict(update=True, device_weight=slot.param.data_ptr(), **self._hyper(slot, grad_scale))
+        return dict(update=True, device_weight=slot.weight.data_ptr(), **self._hyper(slot, grad_scale))
 
     def _mark_updated(self, slot: _Slot) -> None:
-        if not slot.resident:
+        if slot.offloaded:
             self._install_gates()
             self._uploads_queued += 1
         slot.updated = True
@@ -476,21 +535,32 @@ class OffloadedAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         pending = [s for s in reversed(self._arrival) if not s.updated]  # forward order
+        early = self._forwards < self.accumulation_steps  # a step before the window's last micro-batch
+        if self._dp is not None and early and self._track_norm:
+            for s in pending:  # the comm hook took no norm: it waits for the last micro-batch
+                if s.peer and s.param.grad is not None:
+                    self._measure_on_device(s, s.param.grad)
         if self._arrival:
             self._norm_slots = sorted(self._arrival, key=lambda s: s.index)
             self._device_norms = {}
             self._norm_on_device = {s for s in self._arrival if s.norm_on_device}
             self._offload_norms = self._grad_norms.collect() if self._norm_on_device else None
+        for s in pending:
+            if not s.offloaded:
+                continue
+            # (under DDP, .grad also holds the sums the comm hook has already sent)
+            if s.param.grad is not None and s.sum_in_vram and (self._dp is None or early):
+                # Still summing in VRAM: an early step, or no gradient in the last backward.
+                self._send(s, s.param.grad, dict(norm=self._track_norm))
+            elif self._track_norm and (early if self._shards is not None else self._micro < self.accumulation_steps):
+                # early step: the norm was not taken during backward
+                self._pipeline.submit(s.host, from_accumulator=self._sums_on_host(s), norm=True)
+        if self._shards is not None and self._track_norm and self._arrival:
+            # The global norm is a collective under FSDP2: every rank takes it here, whatever
+            # its shards, rather than wherever someone reads last_grad_norm.
+            self._norm_pending = True
+            _ = self.last_grad_norm
         if pending:
-            for s in pending:
-                if s.resident:
-                    continue
-                if s.param.grad is not None and s.sum_in_vram:
-                    # Still summing in VRAM: an early step, or no gradient in the last backward.
-                    self._send(s, s.param.grad, dict(norm=self._track_norm))
-                elif self._track_norm and self._micro < self.accumulation_steps:
-                    # early step: the norm was not taken during backward
-                    self._pipeline.submit(s.host, from_accumulator=self._sums_on_host(s), norm=True)
             resident = [(s, ResidentAdamW.gradient(s.param, s.device_state)) for s in self._norm_slots
                         if s.resident and not s.updated]
             resident = [(s, g) for s, g in resident if g is not None]
@@ -511,6 +581,9 @@ class OffloadedAdamW(torch.optim.Optimizer):
             for s in pending:
                 if s.resident:
                     continue
+                if s.peer:
+                    self._mark_updated(s)
+                    continue
                 # a commit needs the speculation's premises intact: no clip, the same lr and update mode
                 if unclipped and s.speculated == self._hyper(s, grad_scale=1.0) and self._speculates(s):
                     self._commit(s)
@@ -519,6 +592,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
                                           **self._update_args(s, grad_scale=scale))
                 self._mark_updated(s)
             self._update_resident(resident, scale, device_scale)
+        if self._dp is not None and self._arrival:
+            self._share_updates(self._arrival)
         for s in self._arrival:
             s.landed = s.updated = s.norm_on_device = False
             s.speculated = None
@@ -532,12 +607,21 @@ class OffloadedAdamW(torch.optim.Optimizer):
             self._check_peak()
         return loss
 
+    def _share_updates(self, slots: list) -> None:
+        """Under DDP: every rank's weights become their owners' once the updates are uploaded, and
+        the reduced gradients DDP left in .grad go (they have been sent, or belong to a peer)."""
+        self.synchronize()
+        slots = sorted(slots, key=lambda s: s.index)  # the same order on every rank
+        self._dp.broadcast([s.param for s in slots], [self._dp.owners[s.index] for s in slots])
+        for p in self._slots:
+            p.grad = None
+
     def _resolve_speculation(self, pending: list, unclipped: bool) -> None:
         """Counts the window as a hit, a miss or a wait; on a miss drops what is left of the
         speculative updates (the redo reads the state they never wrote). The next window
         speculates if this one's norm did not clip: a run that clips every step then waits, as
         without speculation, rather than doing each update twice."""
-        if self.max_grad_norm is None or not any(not s.resident for s in pending):
+        if self.max_grad_norm is None or not any(s.offloaded for s in pending):
             return
         if any(s.speculated for s in pending):
             self.speculation["hits" if unclipped else "misses"] += 1
@@ -618,7 +702,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         norm (and the clipping) has the same bits for every placement.
         """
         if self._norm_pending:
-            on_host = [s.host for s in self._norm_slots if not s.resident and s not in self._norm_on_device]
+            on_host = [s.host for s in self._norm_slots if s.offloaded and s not in self._norm_on_device]
             if on_host:
                 self._pipeline.wait(on_host)
             if isinstance(self._device_norms, tuple):
@@ -633,6 +717,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
                     total += offloaded[s.index]
                 else:
                     total += s.host.squared_norm
+            if self._shards is not None:
+                total = self._shards.global_squared_norm(total, self._device)
             self._last_grad_norm = math.sqrt(total)
             self._norm_pending = False
         return self._last_grad_norm
@@ -667,7 +753,15 @@ class OffloadedAdamW(torch.optim.Optimizer):
         profile = self._build_profile()
         budget = self.vram_budget
         plan = planner.plan_placement(profile, budget)
-        if not plan.fits:
+        profiled_peak = max(profile.forward_peak, profile.tail_peak)
+        if not plan.fits and profiled_peak <= budget:
+            # The estimate (with its reserve) says no, but the profiled steps ran within the budget:
+            # take every saving (the plan as it stands) rather than refuse what just worked.
+            log.warning("trainstream: the planner's estimate of the leanest placement (%.2f GB with a %.2f GB "
+                        "reserve) exceeds the %.2f GB budget, but the profiled steps peaked at %.2f GB; "
+                        "training in the leanest placement", plan.expected_peak / 1e9, plan.reserve / 1e9,
+                        budget / 1e9, profiled_peak / 1e9)
+        elif not plan.fits:
             smallest = planner.smallest_plan(profile)
             floor = planner.peak_bytes(profile, smallest)
             raise VramBudgetError(
@@ -725,6 +819,9 @@ class OffloadedAdamW(torch.optim.Optimizer):
             outside_cast_bytes=figures.outside_cast_bytes if figures is not None else 0, hook_s=hook_s,
             weight_bytes=sum(p.numel() * p.element_size() for p in self._model.parameters()),
             fixed_activations=not deferred)
+
+    def _owner(self, slot: _Slot) -> str:
+        return f"rank {self._dp.owners[slot.index]}" if self._dp is not None else "other ranks (empty shard here)"
 
     def _name(self, slot: _Slot) -> str:
         return self._names.get(slot.param, f"param{slot.index}")
@@ -801,26 +898,63 @@ class OffloadedAdamW(torch.optim.Optimizer):
             lines.append(planner.describe(self.plan, self._profile))
         else:
             resident = sum(s.resident for s in self._order)
+            offloaded = sum(s.offloaded for s in self._order)
             state = "profiling the first steps with everything offloaded" if self._profiler else "fixed"
             lines.append(f"placement ({state}): {resident} of {len(self._order)} parameters keep gradient and "
-                         f"AdamW state in VRAM, {len(self._order) - resident} offloaded to host memory")
+                         f"AdamW state in VRAM, {offloaded} offloaded to host memory")
         if self.max_grad_norm is not None and self.speculation["params"]:
             spec = self.speculation
             lines.append(f"clipping: {spec['params']} offloaded parameters start their update before the global norm "
                          f"is known ({spec['host_bytes'] / 1e9:.2f} GB of host memory for it); windows committed "
                          f"{spec['hits']}, redone {spec['misses']}, waited after a clip {spec['waited']}")
+        share = self._distributed_report()
+        if share is not None:
+            what = ("parameters; the others' new weights come from their owners" if self._dp is not None else
+                    "parameters' shards; FSDP2 all-gathers the weights")
+            lines.append(f"{share['engine']}: rank {share['rank']} of {share['world_size']} updates "
+                         f"{share['owned_params']} of {len(self._order)} {what} "
+                         f"({share['owned_elements'] / 1e6:.1f}M elements of state on this host)")
         if self.activation_pager is not None:
             lines.append(self.activation_pager.describe())
         return "\n".join(lines)
 
     # ------------------------------------------------------------------- checkpoints
     def state_dict(self):
+        """torch.optim.AdamW's state dict. Under DDP each rank holds the state of the parameters
+        it owns, and this gathers all of them: a collective that every rank calls (as with
+        torch.distributed.checkpoint), after which every rank holds the whole dict."""
         self.synchronize()
-        return super().state_dict()
+        local = super().state_dict()
+        if self._dp is not None:
+            return self._dp.gather_state(local)
+        if self._shards is not None:
+            return self._sharded_state_dict(local)
+        return local
+
+    def _sharded_state_dict(self, local: dict) -> dict:
+        """Under FSDP2, torch AdamW's format as FSDP2 gives it (and torch.distributed.checkpoint
+        saves it): each state tensor a DTensor sharded as its parameter, whose local part is this
+        rank's host copy; ranks whose shard of a parameter is empty hold empty parts."""
+        index, start = {}, 0
+        for group in self.param_groups:  # torch's numbering: params in group order, across groups
+            index.update({id(p): start + k for k, p in enumerate(group["params"])})
+            start += len(group["params"])
+        state = {}
+        for slot in self._order:
+            i = index[id(slot.param)]
+            entry = local["state"].get(i) if not slot.peer else None
+            if entry is None:  # an empty shard: what the ranks that hold some of it have, with no elements
+                empty = torch.zeros(slot.weight.shape, dtype=torch.float32)
+                entry = {"step": torch.tensor(float(slot.step)), "exp_avg": empty, "exp_avg_sq": empty.clone()}
+                if slot.param.dtype == torch.bfloat16:
+                    entry["master_param"] = empty.clone()
+            state[i] = {k: self._shards.as_shard_of(v, slot.param) if k != "step" else v for k, v in entry.items()}
+        return {"state": dict(sorted(state.items())), "param_groups": local["param_groups"]}
 
     def load_state_dict(self, state_dict) -> None:
         """Load a torch.optim.AdamW (or our own) state dict, whatever placement wrote it: tensors
-        are copied to where this optimizer keeps them."""
+        are copied to where this optimizer keeps them. Under DDP, every rank loads the whole dict
+        and keeps what it owns."""
         self.synchronize()
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != len(self.param_groups):
@@ -838,23 +972,31 @@ class OffloadedAdamW(torch.optim.Optimizer):
         for i, state in state_dict["state"].items():
             p = index[i]
             slot = self._slots.get(p)
-            if slot is None:
+            if slot is None or slot.peer:
                 continue
+            weight = slot.weight
             for key in ("exp_avg", "exp_avg_sq"):
-                slot.state[key].copy_(state[key].detach().reshape(p.shape))
+                slot.state[key].copy_(self._local_state(state[key], slot))
             slot.step = int(state["step"])
             slot.state["step"].fill_(slot.step)
             if "master_param" in state and "master_param" in slot.state:
-                slot.state["master_param"].copy_(state["master_param"].reshape(p.shape))
+                slot.state["master_param"].copy_(self._local_state(state["master_param"], slot))
                 with torch.no_grad():
-                    p.copy_(slot.state["master_param"].to(p.device, p.dtype))
-                slot.version = p._version
-            elif p._version != slot.version:  # the model's weights were loaded: the master follows them
+                    weight.copy_(slot.state["master_param"].to(weight.device, weight.dtype))
+                slot.version = weight._version
+            elif weight._version != slot.version:  # the model's weights were loaded: the master follows them
                 if not slot.resident:
-                    self._pipeline.load_weights(slot.host, p.data_ptr(), self._current_stream())
+                    self._pipeline.load_weights(slot.host, weight.data_ptr(), self._current_stream())
                 elif "master_param" in slot.state:
-                    slot.state["master_param"].copy_(p.detach())
-                slot.version = p._version
+                    slot.state["master_param"].copy_(weight.detach())
+                slot.version = weight._version
+
+    def _local_state(self, value: torch.Tensor, slot: _Slot) -> torch.Tensor:
+        """A saved state tensor as this process holds it: under FSDP2, this rank's shard of it."""
+        value = value.detach()
+        if self._shards is not None:
+            value = self._shards.local_of(value, slot.param)
+        return value.reshape(slot.weight.shape)
 
     def add_param_group(self, param_group: dict) -> None:
         if getattr(self, "_slots", None) is None:  # during torch's own __init__
@@ -866,9 +1008,9 @@ class OffloadedAdamW(torch.optim.Optimizer):
     # ---------------------------------------------------------------------- figures
     def report(self) -> dict:
         """What TrainStream holds where, and how the host engine runs."""
-        numel = sum(s.param.numel() for s in self._order)
-        fp32 = [s for s in self._order if s.param.dtype == torch.float32 and not s.resident]
-        packed = sum(s.param.numel() for s in fp32 if s.host.last_gradient_as_bf16)
+        numel = sum(s.weight.numel() for s in self._order)
+        fp32 = [s for s in self._order if s.param.dtype == torch.float32 and s.offloaded]
+        packed = sum(s.weight.numel() for s in fp32 if s.host.last_gradient_as_bf16)
         return {
             "trainable_params": numel,
             "host_memory_kind": self._pipeline.host_memory_kind,
@@ -882,7 +1024,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
             "last_grad_norm": self.last_grad_norm,
             # share of offloaded fp32 weights whose last gradient was bf16-exact (under bf16
             # autocast, the matmuls') and crossed as bf16; each one is tested, so none is rounded
-            "gradients_sent_as_bf16": packed / max(sum(s.param.numel() for s in fp32), 1),
+            "gradients_sent_as_bf16": packed / max(sum(s.weight.numel() for s in fp32), 1),
             # VRAM besides the weights: the buffer fp32 update terms cross through (64 MiB at most)
             "vram_staging_bytes": self._staging.nbytes if self._staging is not None else 0,
             "placement": self._placement_report(),
@@ -891,7 +1033,18 @@ class OffloadedAdamW(torch.optim.Optimizer):
             # redone (misses) or not speculated because the last norm clipped (waited)
             "speculation": dict(self.speculation),
             "activations": self.activation_pager.report() if self.activation_pager else "off",
+            # under DDP or FSDP2: this rank, and the parameters (or shards) whose state and updates are its own
+            "distributed": self._distributed_report(),
         }
+
+    def _distributed_report(self) -> dict | None:
+        engine = self._dp or self._shards
+        if engine is None:
+            return None
+        return {"engine": "DistributedDataParallel" if self._dp is not None else "FSDP2",
+                "rank": engine.rank, "world_size": engine.world,
+                "owned_params": sum(not s.peer for s in self._order),
+                "owned_elements": sum(s.weight.numel() for s in self._order if not s.peer)}
 
     def _placement_report(self) -> dict:
         plan = self.plan
@@ -899,12 +1052,12 @@ class OffloadedAdamW(torch.optim.Optimizer):
             "mode": self._placement if isinstance(self._placement, str) else f"share {self._placement:g}",
             "state": "planned" if plan is not None else "profiling" if self._profiler is not None else "fixed",
             "resident_params": sum(s.resident for s in self._order),
-            "offloaded_params": sum(not s.resident for s in self._order),
+            "offloaded_params": sum(s.offloaded for s in self._order),
             "vram_budget_bytes": self.vram_budget,
             "params": [{
                 "name": self._name(s), "numel": s.param.numel(), "weight": "vram",
-                "gradient": "vram" if s.resident else "host",
-                "state": "vram" if s.resident else "host",
+                "gradient": "vram" if s.resident else "host" if not s.peer else self._owner(s),
+                "state": "vram" if s.resident else "host" if not s.peer else self._owner(s),
                 "window_sum": None if self.accumulation_steps == 1 else
                 "vram" if s.resident or s.sum_in_vram else "host",
             } for s in self._order],
@@ -935,5 +1088,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
             if wrapped_by(s.param) is self:
                 del _OWNERS[id(s.param)]
         self._remove_gates()
+        if self._dp is not None:  # DDP keeps the communication hook; it goes back to a plain all-reduce
+            self._dp.detach()
         if self.activation_pager is not None:
             self.activation_pager.remove()

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import torch
 
-from trainstream.activations import measure_copy_bandwidth
 from trainstream.timing import mark, seconds
 
 
@@ -203,3 +202,24 @@ def measure_bandwidths(device: torch.device) -> tuple[float, float, float]:
             end.synchronize()
             best = min(best, start.elapsed_time(end) / 1e3)
     return d2h, h2d, 2 * nbytes / best  # a copy reads and writes
+
+
+def measure_copy_bandwidth(device: torch.device, nbytes: int = 64 << 20, repeats: int = 3) -> tuple[float, float]:
+    """Pinned device->host and host->device bandwidth in bytes/s, best of `repeats` (CUDA events)."""
+    if device.type != "cuda":
+        return float("inf"), float("inf")
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    rates = []
+    with torch.cuda.device(device):
+        for dst, src in ((host, dev), (dev, host)):
+            best = float("inf")
+            for _ in range(repeats):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                dst.copy_(src, non_blocking=True)
+                end.record()
+                end.synchronize()
+                best = min(best, start.elapsed_time(end) / 1e3)
+            rates.append(nbytes / best)
+    return rates[0], rates[1]

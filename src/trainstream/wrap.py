@@ -6,6 +6,8 @@ import torch
 
 from trainstream._native import _C, require_cuda_build
 from trainstream.activations import ActivationPager, parse_bytes
+from trainstream.distributed import (DataParallel, Sharded, check_ddp, check_fsdp2, data_parallel_of, fsdp2_root,
+                                     local_shard, partition)
 from trainstream.errors import (HostMemoryError, UnsupportedSetupError, VramBudgetError, check_compile_mode,
                                 check_not_distributed, check_optimizer, check_weight_dtype)
 from trainstream.optimizer import OffloadedAdamW, resident_at_start, wrapped_by
@@ -82,6 +84,14 @@ def wrap(
     if not trainable:
         raise ValueError("the optimizer has no trainable parameters (requires_grad=True)")
     check_not_distributed(model, trainable)
+    ddp = data_parallel_of(model)
+    sharded = _is_sharded(model)
+    if ddp is not None:  # each rank offloads the share it owns (trainstream.distributed)
+        check_ddp(ddp, tuning)
+        placement = "offload"
+    elif sharded:  # each rank offloads the shards it holds
+        check_fsdp2(model, trainable, tuning)
+        placement = "offload"
     check_compile_mode(model)
     if any(wrapped_by(p) is not None for p in list(model.parameters()) + trainable):
         raise UnsupportedSetupError(
@@ -112,9 +122,16 @@ def wrap(
             "rounding every micro-batch. Leave it off to sum them in fp32 on the host.")
     if device.type not in ("cuda", "cpu"):
         raise UnsupportedSetupError(f"parameters on {device} are not supported (CUDA or CPU only)")
-    host_accumulator = accumulation_steps > 1 and accumulate_in_vram is not True
+    host_accumulator = accumulation_steps > 1 and accumulate_in_vram is not True and ddp is None
     unique = list({id(p): p for p in trainable}.values())
-    _check_host_memory(unique[resident_at_start(placement, len(unique)):], host_accumulator)
+    if sharded:
+        _check_host_memory([local_shard(p) for p in unique], host_accumulator)
+    elif ddp is None:
+        _check_host_memory(unique[resident_at_start(placement, len(unique)):], host_accumulator)
+    else:
+        owners = partition([p.numel() for p in unique], torch.distributed.get_world_size(ddp.process_group))
+        rank = torch.distributed.get_rank(ddp.process_group)
+        _check_host_memory([p for p, owner in zip(unique, owners) if owner == rank], host_accumulator)
     auto = placement == "auto"
     budget = None if vram_budget is None else parse_bytes(vram_budget)
     if device.type == "cuda":
@@ -143,11 +160,13 @@ def wrap(
     if paging:
         pager = ActivationPager(model, device=device, share=share, vram_budget=pager_budget, blocks=blocks,
                                 prefetch_depth=tuning.prefetch_depth, recompute=tuning.recompute, deferred=auto)
+    data_parallel = DataParallel(ddp, owners) if ddp is not None else None
     wrapped = OffloadedAdamW(
         optimizer, model, pipeline, device=device, max_grad_norm=max_grad_norm,
         accumulation_steps=int(accumulation_steps), track_grad_norm=tuning.track_grad_norm, streams=streams,
         activation_pager=pager, accumulate_in_vram=accumulate_in_vram, placement=placement,
         vram_budget=budget if auto else None, threads=tuning.threads, isa=tuning.isa,
+        data_parallel=data_parallel, sharded=Sharded(trainable) if sharded else None,
     )
     wrapped.speculative_clipping = tuning.speculative_clipping
     wrapped.pack_gradients = tuning.pack_gradients
@@ -158,6 +177,11 @@ def wrap(
     for p in trainable:
         p.grad = None
     return model, wrapped
+
+
+def _is_sharded(model: torch.nn.Module) -> bool:
+    """Whether FSDP2 shards this model (fully_shard on it or on some of its modules)."""
+    return any(fsdp2_root(m) is not None for m in model.modules())
 
 
 def default_vram_budget(device: torch.device) -> int:

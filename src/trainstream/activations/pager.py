@@ -1,190 +1,23 @@
-"""Activation paging: saved activations go to host memory during forward, come back before backward.
-
-Saved-tensor hooks see every tensor autograd keeps for backward. Inside the model's repeated
-blocks (transformer layers), large activations are copied to pinned host slots on an offload
-stream and their device memory is released once the copy is done; in backward, when block k
-starts, blocks k-1 ... k-depth are prefetched on a prefetch stream, and each unpack only makes
-the compute stream wait for its own copy (an event, no host synchronisation). Paging is a copy,
-so training is bit-identical with and without it.
-
-Three things are never paged: parameters (and views of them), which stay in VRAM anyway, the
-model's inputs, which the caller holds, and tensors below ``min_bytes``. A storage saved twice is
-copied once, and so is a cast that autocast repeats for each matmul reading one activation. The
-bf16 copies that autocast makes of fp32 weights are not kept either: backward recasts them from
-the weights, which cannot have changed in between because TrainStream updates a weight only
-after its gradient is complete. That alone frees 2 bytes per parameter of activation memory
-under autocast.
-
-Which blocks to page is decided after a profiling step that pages every block but the last and
-measures, per block, the bytes saved and the forward time (a block that did not run in it counts
-as empty), plus the copy bandwidth:
-
-* ``"auto"``: page the leading blocks whose copies hide behind the forward compute,
-* a share in [0, 1]: page that share of the pageable blocks,
-* ``vram_budget``: page the blocks whose copies hide, then recompute as many of the others as it
-  takes to keep the peak under the budget (non-reentrant checkpointing of the block, whose forward
-  runs again in backward: deterministic kernels give the same bits); if that is not enough, or
-  with ``recompute=False``, page more, the last block too if need be (the exposed copy time is
-  accepted and reported).
-"""
+"""The activation pager: saved-tensor hooks that page, recompute or keep each block's activations
+(the package docstring says how and why)."""
 
 from __future__ import annotations
 
-import re
 import warnings
 import weakref
-from dataclasses import dataclass, field
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
 from trainstream._native import _C
+from trainstream.activations import report as reporting
+from trainstream.activations.plan import Plan, Profile, format_size, find_blocks, plan_paging
+from trainstream.activations.report import StepFigures
 from trainstream.errors import TrainingLoopError, UnsupportedSetupError
+from trainstream.profiler import measure_copy_bandwidth
 from trainstream.timing import mark, seconds
 
-_GB = 1e9
 MIN_BYTES = 1 << 20  # smaller saved tensors stay on the device: not worth a copy
-_UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
-          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
-
-
-def parse_bytes(value) -> int:
-    """Bytes from an int or a string such as "24GB", "22.5 GiB" or "512MB"."""
-    if isinstance(value, bool):
-        raise TypeError("vram_budget must be a number of bytes or a string like '24GB'")
-    if isinstance(value, (int, float)):
-        if value <= 0:
-            raise ValueError(f"vram_budget must be positive, got {value}")
-        return int(value)
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
-    if not match or match.group(2).lower() not in _UNITS:
-        raise ValueError(f"cannot read {value!r} as a size: use bytes or a string like '24GB' or '22.5GiB'")
-    size = float(match.group(1)) * _UNITS[match.group(2).lower()]
-    if size <= 0:
-        raise ValueError(f"vram_budget must be positive, got {value!r}")
-    return int(size)
-
-
-def _size(nbytes: int) -> str:
-    return f"{nbytes / _GB:.2f} GB" if nbytes >= 0.1 * _GB else f"{nbytes / 1e6:.1f} MB"
-
-
-def find_blocks(model: torch.nn.Module) -> tuple[str, list[torch.nn.Module]]:
-    """The model's repeated blocks: the ModuleList of same-class modules holding most parameters."""
-    best, best_key = ("", []), (0, 0)
-    for name, module in model.named_modules():
-        if not isinstance(module, torch.nn.ModuleList) or len(module) < 2:
-            continue
-        if len({type(child) for child in module}) != 1:
-            continue
-        key = (sum(p.numel() for p in module.parameters()), len(module))
-        if key > best_key:
-            best, best_key = (name, list(module)), key
-    return best
-
-
-# --------------------------------------------------------------------------------- policy
-@dataclass
-class Profile:
-    """What the profiling step measured."""
-
-    block_bytes: list[int]  # activation bytes that paging frees, per block
-    block_seconds: list[float]  # forward wall time of each block on the compute stream
-    d2h_bytes_per_s: float
-    h2d_bytes_per_s: float
-    peak_bytes: int | None = None  # peak VRAM of the profiled step (every pageable block paged)
-    block_input_bytes: list[int] | None = None  # what a recomputed block still holds: its inputs
-
-
-@dataclass
-class Plan:
-    paged_blocks: int  # blocks 0 .. paged_blocks-1 are paged (a recomputed one: its inputs)
-    pageable_blocks: int
-    reason: str
-    paged_bytes: int = 0
-    copy_seconds: float = 0.0  # one direction, at the measured bandwidth
-    forward_seconds: float = 0.0
-    hidden: bool = True  # the copies fit behind the forward compute
-    expected_peak_bytes: int | None = None
-    budget_met: bool | None = None
-    recomputed: tuple[int, ...] = ()  # blocks whose forward runs again in backward (checkpointed)
-    recompute_seconds: float = 0.0  # their forward time, added to backward
-
-
-def plan_paging(profile: Profile, *, share: float | None = None, vram_budget: int | None = None,
-                keep_last: int = 1, recompute: bool = False) -> Plan:
-    """Decide how many leading blocks to page, and which to recompute. Pure function of the
-    profile: tested on CPU.
-
-    Leading blocks are paged first: their activations wait longest for backward. "auto" and a
-    share never page the last ``keep_last`` blocks, which backward needs first, so that their
-    copies could not hide; a VRAM budget pages them too when it must, their copy back exposed.
-
-    With ``recompute``, a VRAM budget that the hidden copies do not reach is met by recomputing
-    the following blocks instead: a recomputed block keeps only its inputs and runs its forward
-    again in backward, which costs far less than a copy that cannot hide (a 0.44 GB block of a
-    1B Llama copies in 8 ms each way and computes its forward in 4 ms). If that is not enough,
-    more leading blocks are paged; for a recomputed block that means its inputs only.
-    """
-    n = len(profile.block_bytes)
-    pageable = max(0, n - keep_last)
-    sizes, times = profile.block_bytes, profile.block_seconds
-    inputs = profile.block_input_bytes or [0] * n
-    bandwidth = min(profile.d2h_bytes_per_s, profile.h2d_bytes_per_s)
-    recomputed: list[int] = []
-
-    def copied_bytes(i: int) -> int:  # what paging block i copies: a recomputed block's inputs only
-        return inputs[i] if i in recomputed else sizes[i]
-
-    def hidden(k: int) -> bool:
-        # block i's copy may run while blocks up to i+1 compute: the copy stream may lag one block
-        copied, computed = 0.0, 0.0
-        for i in range(k):
-            copied += copied_bytes(i) / bandwidth
-            computed += times[i]
-            if copied > computed + (times[i + 1] if i + 1 < n else 0.0):
-                return False
-        return True
-
-    if share is not None:
-        k = min(pageable, round(share * pageable))
-        reason = f"share={share:g} of the {pageable} pageable blocks"
-    else:
-        k = 0
-        while k < pageable and hidden(k + 1):
-            k += 1
-        reason = "auto: every block whose copy hides behind forward compute"
-    expected = None
-    met = None
-    if profile.peak_bytes is not None:
-        profiled = sum(sizes[pageable:])  # the profile paged the pageable blocks and kept the rest
-
-        def peak(paged, redo):  # what each block keeps on the device: nothing, its inputs, or all
-            held = sum(0 if i < paged else inputs[i] if i in redo else sizes[i] for i in range(n))
-            return profile.peak_bytes + held - profiled
-
-        if vram_budget is not None:
-            start = k
-            if recompute:
-                for i in range(k, n):
-                    if peak(k, recomputed) <= vram_budget:
-                        break
-                    if sizes[i] > inputs[i]:  # a block checkpointed by the model itself gains nothing
-                        recomputed.append(i)
-            while k < n and peak(k, recomputed) > vram_budget:
-                k += 1
-            if k > start or recomputed:
-                reason = f"vram_budget={vram_budget / _GB:.2f} GB"
-            met = peak(k, recomputed) <= vram_budget
-            if not met:
-                reason += " (not met: every block is paged or recomputed)"
-        expected = peak(k, recomputed)
-    paged_bytes = sum(copied_bytes(i) for i in range(k))
-    return Plan(paged_blocks=k, pageable_blocks=pageable, reason=reason, paged_bytes=paged_bytes,
-                copy_seconds=paged_bytes / bandwidth if bandwidth else 0.0,
-                forward_seconds=sum(times), hidden=k <= pageable and hidden(k), expected_peak_bytes=expected,
-                budget_met=met, recomputed=tuple(recomputed),
-                recompute_seconds=sum(times[i] for i in recomputed))
 
 
 # ------------------------------------------------------------------------------- runtime
@@ -269,20 +102,6 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-@dataclass
-class _StepFigures:
-    paged_bytes: int = 0
-    recast_bytes: int = 0
-    shared_cast_bytes: int = 0  # repeated casts of one activation, saved as the first
-    packs: int = 0  # tensors the hooks saw
-    block_cast_bytes: list = field(default_factory=list)  # recast and shared casts, per block
-    outside_cast_bytes: int = 0  # the same outside the blocks
-    kept_bytes: int = 0  # activations that paging would move, left on the device
-    on_demand: int = 0  # unpacks whose copy had not been prefetched
-    held_bytes: int = 0  # paged, but still referenced outside autograd when forward ended
-    block_bytes: list = field(default_factory=list)  # what leaving each block on the device costs
-
-
 class ActivationPager:
     """Pages the saved activations of ``blocks`` (see the module docstring). Built by wrap()."""
 
@@ -345,8 +164,8 @@ class ActivationPager:
         self._stored_by_block: list[list[weakref.ref]] = [[] for _ in self.blocks]
         self._prefetched: set[int] = set()
         self._casts: dict[tuple, object] = {}  # an activation's cast -> how it was saved (this forward)
-        self._figures = _StepFigures()
-        self.last = _StepFigures()  # figures of the last finished forward
+        self._figures = StepFigures()
+        self.last = StepFigures()  # figures of the last finished forward
         self._times: list = []  # (block, start mark, end mark) for each block run in the timed forward
         self._input_bytes: list[int] = []  # per block, its tensor inputs in the timed forward
         self._inputs_seen: dict[int, weakref.ref] = {}  # their storages (one shared by blocks counts once)
@@ -405,7 +224,7 @@ class ActivationPager:
         self._stored_by_block = [[] for _ in self.blocks]
         self._prefetched = set()
         self._casts = {}
-        self._figures = _StepFigures(block_bytes=[0] * len(self.blocks), block_cast_bytes=[0] * len(self.blocks))
+        self._figures = StepFigures(block_bytes=[0] * len(self.blocks), block_cast_bytes=[0] * len(self.blocks))
         if self._cuda and (self._timing or self._fresh_plan):  # the profile's peak, then the plan's
             torch.cuda.reset_peak_memory_stats(self.device)
         self._fresh_plan = False
@@ -443,7 +262,7 @@ class ActivationPager:
         if figures.held_bytes and not self._warned_held:
             self._warned_held = True
             warnings.warn(
-                f"{_size(figures.held_bytes)} of paged activations are still referenced outside "
+                f"{format_size(figures.held_bytes)} of paged activations are still referenced outside "
                 f"autograd after forward (a KV cache, or hidden states kept in the output?): they are "
                 f"copied to the host but their VRAM is not freed. For training a Hugging Face model, "
                 f"call it with use_cache=False or set model.config.use_cache = False.", stacklevel=2)
@@ -710,96 +529,7 @@ class ActivationPager:
         return torch.cuda.max_memory_allocated(self.device)
 
     def report(self) -> dict:
-        plan = self.plan
-        stats = self._native.stats()
-        figures = self.last
-        out = {
-            "blocks": f"{self.blocks_name} x{len(self.blocks)}",
-            "state": "profiling" if self._profiling else "paging",
-            "paged_blocks": self._paged_upto,
-            "recomputed_blocks": len(plan.recomputed) if plan else 0,
-            "pageable_blocks": len(self.blocks) - self.keep_last,
-            "decision": plan.reason if plan else "profiling: every pageable block paged",
-            "paged_bytes_per_step": figures.paged_bytes,
-            "recast_bytes_per_step": figures.recast_bytes,
-            "shared_cast_bytes_per_step": figures.shared_cast_bytes,
-            "kept_bytes_per_step": figures.kept_bytes,
-            "on_demand_fetches": figures.on_demand,
-            "held_elsewhere_bytes_per_step": figures.held_bytes,
-            "prefetch_depth": self.depth,
-            "host_memory_kind": self._native.memory_kind,
-            "host_slots": stats["slots"],
-            "host_bytes_reserved": stats["reserved_bytes"],
-        }
-        if self.profile is not None and plan is not None:
-            out.update({
-                "d2h_GBps": self.profile.d2h_bytes_per_s / _GB,
-                "h2d_GBps": self.profile.h2d_bytes_per_s / _GB,
-                "copy_s_per_step": plan.copy_seconds,
-                "forward_s": plan.forward_seconds,
-                "recompute_s": plan.recompute_seconds,
-                "copy_hidden": plan.hidden,
-                "expected_peak_GB": plan.expected_peak_bytes / _GB if plan.expected_peak_bytes else None,
-                "budget_met": plan.budget_met,
-            })
-        peak = self.observed_peak_bytes()
-        if peak is not None:
-            out["observed_peak_GB"] = peak / _GB
-        return out
+        return reporting.report(self)
 
     def describe(self) -> str:
-        """The report as a few readable lines."""
-        r = self.report()
-        recomputed = f", {r['recomputed_blocks']} recomputed" if r["recomputed_blocks"] else ""
-        lines = [f"activation paging over {r['blocks']}: {r['paged_blocks']} paged{recomputed} ({r['decision']})",
-                 (f"  per step: {r['paged_bytes_per_step'] / _GB:.2f} GB paged, "
-                  f"{r['recast_bytes_per_step'] / _GB:.2f} GB of weight casts recomputed, "
-                  f"{r['shared_cast_bytes_per_step'] / _GB:.2f} GB of repeated casts saved once, "
-                  f"{r['kept_bytes_per_step'] / _GB:.2f} GB kept on the device, "
-                  f"{r['on_demand_fetches']} unpacks not prefetched")]
-        if r["held_elsewhere_bytes_per_step"]:
-            lines.append(f"  {_size(r['held_elsewhere_bytes_per_step'])} of it stayed referenced outside "
-                         f"autograd (a KV cache?): copied, but not freed")
-        if "copy_s_per_step" in r:
-            lines.append(f"  copies {r['copy_s_per_step'] * 1e3:.1f} ms each way at {r['d2h_GBps']:.1f}/"
-                         f"{r['h2d_GBps']:.1f} GB/s vs forward {r['forward_s'] * 1e3:.1f} ms: "
-                         f"{'hidden' if r['copy_hidden'] else 'partly exposed'}")
-            if r["recomputed_blocks"]:
-                lines.append(f"  recomputing {r['recomputed_blocks']} blocks adds {r['recompute_s'] * 1e3:.1f} ms "
-                             f"of forward compute to backward")
-            if not r["copy_hidden"] and r["paged_bytes_per_step"]:
-                if self.vram_budget is None:
-                    hint = "a vram_budget pages only what hides and recomputes blocks for the rest, which costs less"
-                elif not self.recompute:
-                    hint = "Tuning(recompute=True) would recompute blocks instead of paging them, which costs less"
-                else:
-                    hint = "recomputing the other blocks was not enough for the budget"
-                lines.append(f"  exposed copies lengthen the step, more so while the host updates (both use "
-                             f"host memory); {hint}")
-        if r.get("expected_peak_GB") is not None:
-            lines.append(f"  peak VRAM expected {r['expected_peak_GB']:.2f} GB, observed "
-                         f"{r.get('observed_peak_GB', float('nan')):.2f} GB")
-        lines.append(f"  host: {r['host_slots']} {r['host_memory_kind']} slots, "
-                     f"{r['host_bytes_reserved'] / _GB:.2f} GB reserved")
-        return "\n".join(lines)
-
-
-def measure_copy_bandwidth(device: torch.device, nbytes: int = 64 << 20, repeats: int = 3) -> tuple[float, float]:
-    """Pinned device->host and host->device bandwidth in bytes/s, best of `repeats` (CUDA events)."""
-    if device.type != "cuda":
-        return float("inf"), float("inf")
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    rates = []
-    with torch.cuda.device(device):
-        for dst, src in ((host, dev), (dev, host)):
-            best = float("inf")
-            for _ in range(repeats):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                dst.copy_(src, non_blocking=True)
-                end.record()
-                end.synchronize()
-                best = min(best, start.elapsed_time(end) / 1e3)
-            rates.append(nbytes / best)
-    return rates[0], rates[1]
+        return reporting.describe(self)

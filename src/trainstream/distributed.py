@@ -1,0 +1,221 @@
+"""TrainStream under DistributedDataParallel: the reduced gradient leaves, each rank updates its share.
+
+Two things make DDP and an offloading optimizer compose:
+
+* The gradient that leaves for the host must be the all-reduced one. A post-accumulate-grad hook
+  fires before DDP's all-reduce, so under DDP the optimizer's hooks only count backward passes and
+  a communication hook does the rest: it all-reduces each bucket and, once that bucket's all-reduce
+  has completed, hands the bucket's gradients to the optimizer while backward goes on.
+* Host memory and host work must not grow with the number of ranks on a machine. Every rank holds
+  the same averaged gradients, so each parameter's AdamW state and update belong to one rank only
+  (its *owner*): ranks own disjoint shares balanced by size and interleaved in forward order, so
+  that every rank's gradients arrive throughout backward. At step() each owner broadcasts its new
+  weights to the other ranks.
+
+Every rank still measures every gradient's norm on its device, in forward order, so that the global
+norm (and so clipping) has the same bits on every rank without another collective.
+"""
+
+import threading
+
+import torch
+import torch.distributed as dist
+
+from trainstream.errors import UnsupportedSetupError
+
+
+def partition(sizes: list[int], world: int) -> list[int]:
+    """The owning rank of each parameter, `sizes` in forward order: each goes to the rank that owns
+    the fewest elements so far (the lowest such rank on a tie). Deterministic, so every rank
+    computes the same partition."""
+    loads = [0] * world
+    owners = []
+    for size in sizes:
+        rank = min(range(world), key=lambda r: (loads[r], r))
+        owners.append(rank)
+        loads[rank] += size
+    return owners
+
+
+def data_parallel_of(model: torch.nn.Module):
+    """The DistributedDataParallel wrapper `model` is, or None."""
+    return model if isinstance(model, torch.nn.parallel.DistributedDataParallel) else None
+
+
+class DataParallel:
+    """One rank's side of training a DDP model: who owns what, the communication hook, and the
+    collectives step() and state_dict() run."""
+
+    def __init__(self, ddp: torch.nn.parallel.DistributedDataParallel, owners: list[int]) -> None:
+        self.group = ddp.process_group
+        self.rank = dist.get_rank(self.group)
+        self.world = dist.get_world_size(self.group)
+        self.owners = owners  # per trainable parameter, in forward order (partition())
+        self._optimizer = None  # detached by remove_hooks(): the hook then only all-reduces
+        self._lock = threading.Lock()  # gloo may complete two buckets' futures on two threads
+        try:
+            ddp.register_comm_hook(self, _reduce_then_hand_over)
+        except (RuntimeError, ValueError) as e:
+            raise UnsupportedSetupError(
+                f"this DistributedDataParallel model cannot take TrainStream's communication hook ({e}). "
+                f"TrainStream needs its own: wrap the DDP model before registering a communication hook "
+                f"and before its first backward, and do not register another one.") from e
+
+    def attach(self, optimizer) -> None:
+        self._optimizer = optimizer
+
+    def detach(self) -> None:
+        self._optimizer = None
+
+    def hand_over(self, params: list, grads: list) -> None:
+        optimizer = self._optimizer
+        if optimizer is None:
+            return
+        with self._lock:
+            for param, grad in zip(params, grads):
+                optimizer._on_reduced(param, grad)
+
+    def broadcast(self, params: list[torch.Tensor], owners: list[int]) -> None:
+        """Every rank's copy of `params` (the same list, in the same order, on every rank) becomes
+        its owner's."""
+        works = [dist.broadcast(p.detach(), src=dist.get_global_rank(self.group, owner), group=self.group,
+                                async_op=True) for p, owner in zip(params, owners)]
+        for work in works:
+            work.wait()
+
+    def gather_state(self, local: dict) -> dict:
+        """A torch AdamW state dict whose "state" holds every rank's entries (indices are global:
+        param_groups are the same on every rank). A collective: every rank calls it."""
+        shards: list = [None] * self.world
+        cpu = {i: {k: v.detach().cpu() if torch.is_tensor(v) else v for k, v in s.items()}
+               for i, s in local["state"].items()}
+        dist.all_gather_object(shards, cpu, group=self.group)
+        state = {}
+        for shard in shards:
+            state.update(shard)
+        return {"state": dict(sorted(state.items())), "param_groups": local["param_groups"]}
+
+
+def _reduce_then_hand_over(state: "DataParallel", bucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP's communication hook: the average over ranks (as DDP's own all-reduce computes it), then
+    the bucket's gradients go to the optimizer as soon as they are reduced."""
+    buffer = bucket.buffer()
+    buffer.div_(state.world)
+    params, grads = bucket.parameters(), bucket.gradients()  # grads: views of `buffer`
+    future = dist.all_reduce(buffer, group=state.group, async_op=True).get_future()
+
+    def reduced(fut):
+        state.hand_over(params, grads)
+        return fut.value()[0]
+
+    return future.then(reduced)
+
+
+def check_ddp(ddp: torch.nn.parallel.DistributedDataParallel, tuning) -> None:
+    """What wrap() refuses under DDP: placements other than all offloaded (the planner does not
+    plan across ranks yet)."""
+    if tuning.placement not in ("auto", "offload"):
+        raise UnsupportedSetupError(
+            f"under DistributedDataParallel every rank offloads the parameters it owns; "
+            f"Tuning(placement={tuning.placement!r}) is not supported there. Leave placement at its default.")
+    if tuning.accumulate_in_vram is False:
+        raise UnsupportedSetupError(
+            "under DistributedDataParallel gradients are summed where DDP sums them, in VRAM (use "
+            "ddp.no_sync() for the micro-batches before the last); Tuning(accumulate_in_vram=False) "
+            "is not supported there")
+
+
+# ----------------------------------------------------------------------------------- FSDP2
+def fsdp2_root(model: torch.nn.Module):
+    """`model` if it is an FSDP2 module (fully_shard applied to it), else None."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch without distributed support
+        return None
+    return model if isinstance(model, FSDPModule) else None
+
+
+def local_shard(param: torch.Tensor) -> torch.Tensor:
+    """The part of a DTensor parameter (or gradient) this rank holds: a plain tensor whose memory
+    is FSDP2's own (what it all-gathers from, or what its reduce-scatter wrote)."""
+    return param._local_tensor
+
+
+class Sharded:
+    """One rank's side of training an FSDP2 model: FSDP2 keeps all-gathering the weights and
+    reduce-scattering the gradients; each rank offloads and updates the shard it holds. The
+    global gradient norm is the sum over ranks of each rank's squared norm."""
+
+    def __init__(self, params: list[torch.Tensor]) -> None:
+        self.mesh = params[0].device_mesh
+        self.group = self.mesh.get_group()
+        self.rank = dist.get_rank(self.group)
+        self.world = dist.get_world_size(self.group)
+
+    def global_squared_norm(self, local: float, device: torch.device) -> float:
+        """A collective: every rank calls it at the same point of step()."""
+        total = torch.tensor([local], dtype=torch.float64, device=device)
+        dist.all_reduce(total, group=self.group)
+        return float(total.item())
+
+    @staticmethod
+    def as_shard_of(local: torch.Tensor, param: torch.Tensor):
+        """`local` (this rank's part of some state of `param`, e.g. a host tensor) as a DTensor
+        sharded as `param` is, without copying it to the mesh's device: torch AdamW's state
+        dict format for an FSDP2 parameter."""
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+        spec = DTensorSpec(param.device_mesh, param.placements,
+                           tensor_meta=TensorMeta(param.shape, param.stride(), local.dtype))
+        return DTensor(local, spec, requires_grad=False)
+
+    def local_of(self, value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a state tensor for `param`: a DTensor's local shard, or the
+        rank's chunk (as FSDP2 chunks, along dim 0) of a whole tensor from an unsharded run."""
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(value, DTensor):
+            return value.to_local()
+        value = value.reshape(param.shape)
+        chunks = torch.chunk(value, self.world, dim=0)
+        if self.rank < len(chunks):
+            return chunks[self.rank]
+        return value.new_zeros((0,) + tuple(param.shape[1:]))
+
+
+def check_fsdp2(model: torch.nn.Module, params: list[torch.Tensor], tuning) -> None:
+    """What wrap() serves of FSDP2: fully_shard on the model itself (it may be applied to blocks
+    too), on a one-dimensional mesh, parameters sharded along dim 0 (the default), kept on the
+    device (no CPUOffloadPolicy: TrainStream does the offloading)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    def refuse(what: str) -> None:
+        raise UnsupportedSetupError(f"trainstream.wrap() of an FSDP2 model: {what}")
+
+    if fsdp2_root(model) is None:
+        refuse("apply fully_shard to the model itself (the module given to wrap()), as FSDP2 expects, "
+               "after applying it to its blocks")
+    if not all(isinstance(p, DTensor) for p in params):
+        refuse("every trainable parameter must be sharded by fully_shard")
+    mesh = params[0].device_mesh
+    if any(p.device_mesh != mesh for p in params) or mesh.ndim != 1:
+        refuse("one one-dimensional device mesh is supported (not HSDP or several meshes)")
+    if any(tuple(p.placements) != (Shard(0),) for p in params):
+        refuse("parameters must be sharded along dim 0 (fully_shard's default shard_placement_fn)")
+    if _offloads_to_cpu(model):
+        refuse("drop CPUOffloadPolicy: TrainStream offloads the gradients and AdamW state itself and "
+               "keeps the sharded weights on the device")
+    if tuning.placement not in ("auto", "offload"):
+        refuse(f"every rank offloads its shards; Tuning(placement={tuning.placement!r}) is not supported there")
+
+
+def _offloads_to_cpu(model: torch.nn.Module) -> bool:
+    """Whether fully_shard was given a CPUOffloadPolicy anywhere in `model`."""
+    for module in model.modules():
+        if fsdp2_root(module) is None:
+            continue
+        for group in getattr(module._get_fsdp_state(), "_fsdp_param_groups", ()):
+            if any(getattr(p, "offload_to_cpu", False) for p in group.fsdp_params):
+                return True
+    return False

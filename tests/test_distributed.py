@@ -1,0 +1,327 @@
+"""DistributedDataParallel and FSDP2: several ranks, each updating its own share of the parameters
+(DDP) or its own shards (FSDP2) on its host threads.
+
+On the CPU (gloo, two processes): against one process training stock AdamW on the same global
+batch. On the GPU: against the same engine with stock torch AdamW in the same processes (the
+forward and backward are then the very same kernels), two processes sharing the GPU over gloo and
+one process over NCCL.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import trainstream
+from trainstream.distributed import partition
+
+STEPS = 6
+BATCH = 8  # global; each rank takes every world-th sample
+# (name, max_grad_norm, accumulation_steps, quiet: no_sync / no reduce-scatter before the last micro-batch)
+CASES = [
+    ("clipping every step", 0.05, 1, False),
+    ("clipping never (speculation commits)", 1e3, 1, False),
+    ("accumulation 3, reduced once", 0.05, 3, True),
+    ("accumulation 2 reduced every micro-batch, no clipping", None, 2, False),
+]
+# (device, backend, world size)
+SETUPS = [
+    pytest.param(("cpu", "gloo", 2), id="cpu-gloo-2"),
+    pytest.param(("cuda", "gloo", 2), id="cuda-gloo-2", marks=pytest.mark.gpu),
+    pytest.param(("cuda", "nccl", 1), id="cuda-nccl-1", marks=pytest.mark.gpu),
+]
+
+
+def _model(device: str = "cpu") -> torch.nn.Module:
+    torch.manual_seed(0)
+    # the last layer's weight (1 x 5) and bias have one row: under FSDP2, rank 1's shards are empty
+    return torch.nn.Sequential(torch.nn.Linear(12, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32), torch.nn.Tanh(),
+                               torch.nn.Linear(32, 5, bias=False), torch.nn.Tanh(), torch.nn.Linear(5, 1)).to(device)
+
+
+def _batch(step: int, micro: int, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + micro)
+    return torch.randn(BATCH, 12, generator=g).to(device), torch.randn(BATCH, 1, generator=g).to(device)
+
+
+def _adamw(params) -> torch.optim.AdamW:
+    return torch.optim.AdamW(params, lr=3e-2, betas=(0.9, 0.99), weight_decay=0.1)
+
+
+def _reference(clip, acc: int, steps: int = STEPS) -> tuple[list, dict]:
+    """One process, stock AdamW, the global batch (on the CPU)."""
+    model = _model()
+    opt = _adamw(model.parameters())
+    for step in range(steps):
+        for micro in range(acc):
+            x, y = _batch(step, micro)
+            (torch.nn.functional.mse_loss(model(x), y) / acc).backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().clone() for p in model.parameters()], opt.state_dict()
+
+
+def _train(model, opt, quiet, rank: int, world: int, acc: int, steps: range, device: str, clip=None) -> None:
+    """`quiet(micro)`: a context for that micro-batch's backward (no_sync, or FSDP2's gradient sync off).
+    `clip`: for stock optimizers, clip_grad_norm_ before step()."""
+    for step in steps:
+        for micro in range(acc):
+            x, y = _batch(step, micro, device)
+            with quiet(micro):
+                (torch.nn.functional.mse_loss(model(x[rank::world]), y[rank::world]) / acc).backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+
+
+def _full(value):
+    from torch.distributed.tensor import DTensor
+
+    return (value.full_tensor() if isinstance(value, DTensor) else value).cpu()
+
+
+def _start(rank: int, port: int, device: str, backend: str, world: int) -> None:
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn(fn, setup) -> list[dict]:
+    device, backend, world = setup
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(fn, args=(_free_port(), results, device, backend, world), nprocs=world)
+        return [results[r] for r in range(world)]
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> None:
+    torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------------- DDP
+def _ddp(device: str) -> DDP:
+    return DDP(_model(device), device_ids=[0] if device == "cuda" else None)
+
+
+def _ddp_rank(rank: int, port: int, results, device: str, backend: str, world: int) -> None:
+    _start(rank, port, device, backend, world)
+    try:
+        out = {}
+        for name, clip, acc, quiet in CASES:
+            ddp = _ddp(device)
+            ddp, opt = trainstream.wrap(ddp, _adamw(ddp.parameters()), max_grad_norm=clip, accumulation_steps=acc)
+            no_sync = lambda micro: ddp.no_sync() if quiet and micro < acc - 1 else contextlib.nullcontext()
+            _train(ddp, opt, no_sync, rank, world, acc, range(STEPS), device)
+            report = opt.report()
+            out[name] = dict(weights=[p.detach().cpu() for p in ddp.module.parameters()],
+                             state=opt.state_dict(), distributed=report["distributed"],
+                             speculation=report["speculation"], host_bytes=report["host_bytes_used"],
+                             describe=opt.describe())
+            opt.remove_hooks()
+            if device == "cuda":  # the same engine with stock AdamW, in these processes
+                stock = _ddp(device)
+                stock_opt = _adamw(stock.parameters())
+                no_sync = lambda micro: stock.no_sync() if quiet and micro < acc - 1 else contextlib.nullcontext()
+                _train(stock, stock_opt, no_sync, rank, world, acc, range(STEPS), device, clip)
+                out[name]["stock"] = [p.detach().cpu() for p in stock.module.parameters()]
+        # a checkpoint taken halfway (gathered from every rank) resumes into a fresh DDP run
+        plain = lambda micro: contextlib.nullcontext()
+        ddp = _ddp(device)
+        ddp, opt = trainstream.wrap(ddp, _adamw(ddp.parameters()), max_grad_norm=0.05)
+        _train(ddp, opt, plain, rank, world, 1, range(STEPS // 2), device)
+        saved_model, saved_opt = ddp.module.state_dict(), opt.state_dict()
+        opt.remove_hooks()
+        ddp = _ddp(device)
+        ddp.module.load_state_dict(saved_model)
+        ddp, opt = trainstream.wrap(ddp, _adamw(ddp.parameters()), max_grad_norm=0.05)
+        opt.load_state_dict(saved_opt)
+        _train(ddp, opt, plain, rank, world, 1, range(STEPS // 2, STEPS), device)
+        out["resumed"] = dict(weights=[p.detach().cpu() for p in ddp.module.parameters()])
+        results[rank] = out
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module", params=SETUPS)
+def ddp_ranks(request) -> tuple[tuple, list[dict]]:
+    return request.param, _spawn(_ddp_rank, request.param)
+
+
+@pytest.mark.parametrize("name,clip,acc,quiet", CASES, ids=[c[0] for c in CASES])
+def test_ddp_matches_stock_adamw(ddp_ranks, name, clip, acc, quiet):
+    (device, _, world), ranks = ddp_ranks
+    weights, state = _reference(clip, acc)
+    for rank in ranks:
+        got = rank[name]
+        for a, b in zip(got["weights"], got["stock"] if device == "cuda" else weights):
+            _close(a, b)
+        for a, b in zip(got["weights"], ranks[0][name]["weights"]):
+            assert torch.equal(a, b)  # every rank holds the very same weights
+        if device == "cpu":  # and the same gathered optimizer state, torch AdamW's
+            assert sorted(got["state"]["state"]) == sorted(state["state"])
+            for i, entry in state["state"].items():
+                for key in ("exp_avg", "exp_avg_sq"):
+                    _close(got["state"]["state"][i][key], entry[key])
+                assert float(got["state"]["state"][i]["step"]) == float(entry["step"]) == STEPS
+
+
+def test_ddp_ranks_own_disjoint_shares(ddp_ranks):
+    (_, _, world), ranks = ddp_ranks
+    name = CASES[0][0]
+    total = sum(p.numel() for p in _model().parameters())
+    shares = [r[name]["distributed"] for r in ranks]
+    assert [s["rank"] for s in shares] == list(range(world)) and all(s["world_size"] == world for s in shares)
+    assert sum(s["owned_elements"] for s in shares) == total
+    for r in ranks:  # host memory follows the share (about 16 bytes an element here), not the whole model
+        assert r[name]["host_bytes"] <= 20 * r[name]["distributed"]["owned_elements"]
+    assert f"DistributedDataParallel: rank 0 of {world} updates" in ranks[0][name]["describe"]
+    # the comm hook hands gradients over during backward: updates start before the norm is known
+    assert all(r[CASES[1][0]]["speculation"]["hits"] == STEPS for r in ranks)
+    assert all(r[name]["speculation"]["hits"] == 0 for r in ranks)
+
+
+def test_a_gathered_ddp_checkpoint_resumes(ddp_ranks):
+    (device, _, _), ranks = ddp_ranks
+    want = ranks[0]["clipping every step"]["stock"] if device == "cuda" else _reference(0.05, 1)[0]
+    for rank in ranks:
+        for a, b in zip(rank["resumed"]["weights"], want):
+            _close(a, b)
+
+
+def test_partition_balances_sizes_in_forward_order():
+    assert partition([10, 10, 10, 10], 2) == [0, 1, 0, 1]
+    assert partition([100, 1, 1, 1], 2) == [0, 1, 1, 1]
+    assert partition([5], 3) == [0]
+
+
+# ----------------------------------------------------------------------------------- FSDP2
+def _sharded_model(device: str) -> torch.nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    model = _model(device)
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+def _fsdp2_rank(rank: int, port: int, results, device: str, backend: str, world: int) -> None:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    _start(rank, port, device, backend, world)
+    try:
+        out = {}
+        for name, clip, acc, quiet in CASES:
+            def sync(model):  # reduce-scatter only the last micro-batch's sum
+                def context(micro):
+                    if quiet:
+                        model.set_requires_gradient_sync(micro == acc - 1)
+                    return contextlib.nullcontext()
+                return context
+
+            model = _sharded_model(device)
+            model, opt = trainstream.wrap(model, _adamw(model.parameters()), max_grad_norm=clip,
+                                          accumulation_steps=acc)
+            _train(model, opt, sync(model), rank, world, acc, range(STEPS), device)
+            report = opt.report()
+            state = opt.state_dict()
+            out[name] = dict(
+                weights=[_full(p.detach()) for p in model.parameters()],
+                state={i: {k: _full(v) for k, v in entry.items()} for i, entry in state["state"].items()},
+                sharded_state=all(type(v).__name__ == "DTensor" for e in state["state"].values()
+                                  for k, v in e.items() if k != "step"),
+                distributed=report["distributed"], speculation=report["speculation"],
+                norm=report["last_grad_norm"], describe=opt.describe())
+            opt.remove_hooks()
+            if device == "cuda":
+                stock = _sharded_model(device)
+                stock_opt = _adamw(stock.parameters())
+                _train(stock, stock_opt, sync(stock), rank, world, acc, range(STEPS), device, clip)
+                out[name]["stock"] = [_full(p.detach()) for p in stock.parameters()]
+        # halfway checkpoints resume: our own (sharded) and stock AdamW's from one process
+        clip, plain = 0.05, lambda micro: contextlib.nullcontext()
+        model = _sharded_model(device)
+        model, opt = trainstream.wrap(model, _adamw(model.parameters()), max_grad_norm=clip)
+        _train(model, opt, plain, rank, world, 1, range(STEPS // 2), device)
+        saved_model, saved_opt = model.state_dict(), opt.state_dict()
+        opt.remove_hooks()
+        single = _model(device)
+        single_opt = _adamw(single.parameters())
+        _train(single, single_opt, plain, 0, 1, 1, range(STEPS // 2), device, clip)
+        for name, (model_state, opt_state) in {"resumed": (saved_model, saved_opt),
+                                               "from one process": (single.state_dict(), single_opt.state_dict())}.items():
+            model = _sharded_model(device)
+            if name == "resumed":
+                model.load_state_dict(model_state)
+            else:
+                set_model_state_dict(model, model_state, options=StateDictOptions(full_state_dict=True))
+            model, opt = trainstream.wrap(model, _adamw(model.parameters()), max_grad_norm=clip)
+            opt.load_state_dict(opt_state)
+            _train(model, opt, plain, rank, world, 1, range(STEPS // 2, STEPS), device)
+            out[name] = dict(weights=[_full(p.detach()) for p in model.parameters()])
+            opt.remove_hooks()
+        results[rank] = out
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module", params=SETUPS)
+def fsdp2_ranks(request) -> tuple[tuple, list[dict]]:
+    return request.param, _spawn(_fsdp2_rank, request.param)
+
+
+@pytest.mark.parametrize("name,clip,acc,quiet", CASES, ids=[c[0] for c in CASES])
+def test_fsdp2_matches_stock_adamw(fsdp2_ranks, name, clip, acc, quiet):
+    (device, _, _), ranks = fsdp2_ranks
+    weights, state = _reference(clip, acc)
+    for rank in ranks:
+        got = rank[name]
+        for a, b in zip(got["weights"], got["stock"] if device == "cuda" else weights):
+            _close(a, b)
+        assert got["sharded_state"]  # torch AdamW's format under FSDP2: DTensor state
+        if device == "cpu":
+            assert sorted(got["state"]) == sorted(state["state"])
+            for i, entry in state["state"].items():
+                for key in ("exp_avg", "exp_avg_sq"):
+                    _close(got["state"][i][key], entry[key])
+                assert float(got["state"][i]["step"]) == STEPS
+    if clip is not None:  # one global norm, the same on every rank
+        assert len({rank[name]["norm"] for rank in ranks}) == 1
+
+
+def test_fsdp2_ranks_update_their_own_shards(fsdp2_ranks):
+    (_, _, world), ranks = fsdp2_ranks
+    name = CASES[1][0]
+    total = sum(p.numel() for p in _model().parameters())
+    shares = [r[name]["distributed"] for r in ranks]
+    assert all(s["engine"] == "FSDP2" for s in shares)
+    assert sum(s["owned_elements"] for s in shares) == total
+    assert all(r[name]["speculation"]["hits"] == STEPS for r in ranks)
+    if world == 2:
+        assert shares[1]["owned_params"] == shares[0]["owned_params"] - 2  # the one-row layer: empty shards
+        assert "FSDP2: rank 1 of 2 updates" in ranks[1][name]["describe"]
+
+
+@pytest.mark.parametrize("name", ["resumed", "from one process"])
+def test_fsdp2_checkpoints_resume(fsdp2_ranks, name):
+    (device, _, _), ranks = fsdp2_ranks
+    want = ranks[0]["clipping every step"]["stock"] if device == "cuda" else _reference(0.05, 1)[0]
+    for rank in ranks:
+        for a, b in zip(rank[name]["weights"], want):
+            _close(a, b)
