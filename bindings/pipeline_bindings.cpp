@@ -8,7 +8,9 @@ namespace trainstream::bindings {
 namespace {
 
 // A view of one host buffer that keeps its owner alive: torch.frombuffer(view, dtype=...) gives a
-// tensor over the buffer for as long as the tensor lives.
+// tensor over the buffer for as long as the tensor lives. The buffers are the pipeline's (its
+// arenas), so the view also keeps the Python HostParam alive, which keeps the pipeline alive: an
+// optimizer's state tensors stay valid after the optimizer is gone, as torch's do.
 struct HostView {
   std::shared_ptr<HostParam> owner;
   void* data;
@@ -68,7 +70,7 @@ void bind_pipeline(py::module_& m) {
         if (name == "next_exp_avg_sq" && p->next_exp_avg_sq) return HostView{p, p->next_exp_avg_sq, 4 * p->numel};
         if (name == "next_master" && p->next_master) return HostView{p, p->next_master, 4 * p->numel};
         throw std::invalid_argument("HostParam has no buffer '" + name + "'");
-      }, py::arg("name"),
+      }, py::arg("name"), py::keep_alive<0, 1>(),
       "Bytes of one buffer: master, exp_avg, exp_avg_sq, grad, accumulator, or (with speculation) "
       "next_exp_avg, next_exp_avg_sq, next_master. A commit swaps each next_ buffer with its twin.");
 
@@ -109,7 +111,8 @@ void bind_pipeline(py::module_& m) {
                            std::int64_t priority) {
              py::gil_scoped_release release;
              return o.add_param(numel, parse_dtype(dtype), accumulate, priority);
-           }, py::arg("numel"), py::arg("weight_dtype"), py::arg("accumulate"), py::arg("priority") = 0)
+           }, py::arg("numel"), py::arg("weight_dtype"), py::arg("accumulate"), py::arg("priority") = 0,
+           py::keep_alive<0, 1>())
       .def("load_weights", [](OffloadPipeline& o, HostParam& p, std::uintptr_t weight, std::uintptr_t stream) {
              py::gil_scoped_release release;
              o.load_weights(p, weight, stream);

@@ -211,13 +211,15 @@ def test_partition_balances_sizes_in_forward_order():
 
 # ----------------------------------------------------------------------------------- FSDP2
 def _sharded_model(device: str) -> torch.nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     model = _model(device)
+    mesh = init_device_mesh(device, (dist.get_world_size(),))  # (by default, a GPU when there is one)
     for layer in model:
         if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer)
-    fully_shard(model)
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     return model
 
 
@@ -274,6 +276,7 @@ def _fsdp2_rank(rank: int, port: int, results, device: str, backend: str, world:
             model, opt = trainstream.wrap(model, _adamw(model.parameters()), max_grad_norm=clip)
             opt.load_state_dict(opt_state)
             _train(model, opt, plain, rank, world, 1, range(STEPS // 2, STEPS), device)
+            opt.synchronize()  # the last updates are still landing: parameters read directly wait for them
             out[name] = dict(weights=[_full(p.detach()) for p in model.parameters()])
             opt.remove_hooks()
         results[rank] = out

@@ -37,7 +37,7 @@ def test_ddp_setups_it_cannot_serve_are_refused(process_group):
         trainstream.wrap(model, torch.optim.AdamW(model.parameters()))
 
 
-@pytest.mark.parametrize("setup", ["blocks only", "CPUOffloadPolicy", "placement gpu"])
+@pytest.mark.parametrize("setup", ["blocks only", "CPUOffloadPolicy", "placement gpu", "paging"])
 def test_fsdp2_setups_it_cannot_serve_are_refused(process_group, setup):
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
@@ -48,8 +48,10 @@ def test_fsdp2_setups_it_cannot_serve_are_refused(process_group, setup):
     if setup != "blocks only":
         fully_shard(model, **policy)
     tuning = trainstream.Tuning(placement="gpu") if setup == "placement gpu" else None
-    with pytest.raises(trainstream.UnsupportedSetupError, match="FSDP2 model: .*(fully_shard|CPUOffloadPolicy|placement)"):
-        trainstream.wrap(model, torch.optim.AdamW(model.parameters()), tuning=tuning)
+    paging = {"activations": 0.5} if setup == "paging" else {}
+    with pytest.raises(trainstream.UnsupportedSetupError,
+                       match="FSDP2 model: .*(fully_shard|CPUOffloadPolicy|placement|paging)"):
+        trainstream.wrap(model, torch.optim.AdamW(model.parameters()), tuning=tuning, **paging)
 
 
 def test_dtensor_parameters_are_refused(process_group):

@@ -249,6 +249,33 @@ def test_state_dict_round_trip_and_resume_are_identical():
     assert float(sd["state"][0]["step"]) == 10
 
 
+def test_a_state_dict_outlives_its_optimizer():
+    """The state tensors are views of the pipeline's host buffers: they keep them alive, so a
+    state dict kept after its optimizer is gone (and another one has taken host memory) still
+    holds what it held (it used to read freed memory)."""
+    import gc
+
+    import weakref
+
+    data = batches(3, 1)
+    model, opt = make()
+    model, opt = trainstream.wrap(model, opt, tuning=trainstream.Tuning(placement="offload"))
+    train(model, opt, data, wrapped=True)
+    kept = opt.state_dict()
+    snapshot = copy.deepcopy(kept)
+    buffers_owner = weakref.ref(opt._pipeline)
+    opt.remove_hooks()
+    del model, opt
+    gc.collect()
+    assert buffers_owner() is not None  # the state tensors keep the host buffers alive
+    other, other_opt = make()
+    other, other_opt = trainstream.wrap(other, other_opt)  # new host buffers
+    train(other, other_opt, batches(3, 1, seed=7), wrapped=True)
+    for i, entry in snapshot["state"].items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(kept["state"][i][key], entry[key])
+
+
 def test_torch_adamw_checkpoint_loads_and_continues_identically():
     data = batches(8, 1)
     ref, ref_opt = make()

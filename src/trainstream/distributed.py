@@ -184,10 +184,11 @@ class Sharded:
         return value.new_zeros((0,) + tuple(param.shape[1:]))
 
 
-def check_fsdp2(model: torch.nn.Module, params: list[torch.Tensor], tuning) -> None:
+def check_fsdp2(model: torch.nn.Module, params: list[torch.Tensor], tuning, activations, vram_budget) -> None:
     """What wrap() serves of FSDP2: fully_shard on the model itself (it may be applied to blocks
     too), on a one-dimensional mesh, parameters sharded along dim 0 (the default), kept on the
-    device (no CPUOffloadPolicy: TrainStream does the offloading)."""
+    device (no CPUOffloadPolicy: TrainStream does the offloading), and no activation paging (FSDP2
+    frees and re-gathers the unsharded weights that autograd saves, under the pager's feet)."""
     from torch.distributed.tensor import DTensor, Shard
 
     def refuse(what: str) -> None:
@@ -208,6 +209,9 @@ def check_fsdp2(model: torch.nn.Module, params: list[torch.Tensor], tuning) -> N
                "keeps the sharded weights on the device")
     if tuning.placement not in ("auto", "offload"):
         refuse(f"every rank offloads its shards; Tuning(placement={tuning.placement!r}) is not supported there")
+    if activations not in ("auto", "off") or vram_budget is not None:
+        refuse("activation paging (activations=<share>, vram_budget) is not supported under FSDP2 yet; "
+               "use activation checkpointing on the blocks, as with FSDP2 alone")
 
 
 def _offloads_to_cpu(model: torch.nn.Module) -> bool:

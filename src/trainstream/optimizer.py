@@ -212,12 +212,18 @@ class OffloadedAdamW(torch.optim.Optimizer):
             _OWNERS[id(p)] = (weakref.ref(p), weakref.ref(self))
         self._build_gates()
         self._install_gates()
-        # One forward pre-hook on each module that owns a trainable parameter, for the optimizer's
-        # life: hooks that come and go would make torch.compile recompile (or, where it does not
-        # guard on hooks, ignore new ones). The hooks run eagerly (a graph break under compile): they
-        # read CUDA streams and call the native pipeline. What changes is what they wait for.
-        for module in {m for m in model.modules() if any(p in self._slots for p in m.parameters(recurse=False))}:
-            self._hooks.append(module.register_forward_pre_hook(self._gate_hook(module)))
+        # A forward pre-hook on each module that owns a trainable parameter waits for that module's
+        # uploads only, so the next forward starts while later layers still update; what changes
+        # from step to step is what they wait for, not the hooks. Under torch.compile each would be
+        # a graph break (they call the native pipeline), cutting the compiled forward at every
+        # module: a compiled model (seen here, or at its first forward when compiled after wrap())
+        # waits for every upload once, when its forward starts (_gate_whole_forward). So does an
+        # FSDP2 model, whose all-gathers read a module's weights before that module's hook runs.
+        self._gate_hooks = []
+        self._whole_forward_gate = self._shards is not None or hasattr(model, "_orig_mod")
+        if not self._whole_forward_gate:
+            for module in {m for m in model.modules() if any(p in self._slots for p in m.parameters(recurse=False))}:
+                self._gate_hooks.append(module.register_forward_pre_hook(self._gate_hook(module)))
         self._ensure_staging()
         self._pipeline.upload_terms = True
         if self._placement != "auto":
@@ -337,16 +343,16 @@ class OffloadedAdamW(torch.optim.Optimizer):
     def _before_forward(self, args: tuple, kwargs: dict) -> None:
         check_autocast(self._device.type)
         if self._forwards == 0:  # a model compiled after wrap() is seen at its first forward
-            for compiled in compiled_wrappers(self._model):
-                check_compile_mode(compiled)
+            compiled = compiled_wrappers(self._model)
+            for wrapper in compiled:
+                check_compile_mode(wrapper)
+            if compiled and not self._whole_forward_gate:
+                self._gate_whole_forward()
         if torch.is_grad_enabled():
             if self._forwards == 0 and self._profiler is not None:
                 self._placement_window_starts(args, kwargs)
             self._forwards += 1
-        if self._shards is not None and self._gates_on:
-            # FSDP2 all-gathers a module's shards before its forward (and prefetches the next
-            # module's): the whole forward waits for every upload, as FSDP2 orders its all-gathers
-            # after the current stream.
+        if self._whole_forward_gate and self._gates_on:
             self._pipeline.gate(self._hosts, self._current_stream())
             self._remove_gates()
         # Once no update is queued and every upload has finished, no module needs to wait for its
@@ -354,6 +360,14 @@ class OffloadedAdamW(torch.optim.Optimizer):
         # accumulation window, forwards after the first then make no native call per module.
         if self._gates_on and not self._gate_always and self._pipeline.settled(self._hosts):
             self._remove_gates()
+
+    def _gate_whole_forward(self) -> None:
+        """Replaces the per-module gates by one at the start of forward (see _register). Called
+        from the model's first hook, before dynamo traces the modules inside it."""
+        for hook in self._gate_hooks:
+            hook.remove()
+        self._gate_hooks = []
+        self._whole_forward_gate = True
 
     def _gate_hook(self, module: torch.nn.Module):
         # A module that has gated on a stream need not again until another update is queued: its
@@ -1081,7 +1095,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
     def remove_hooks(self) -> None:
         """Detach from the model (after a final synchronize); the optimizer is unusable after."""
         self.synchronize()
-        for h in self._hooks:
+        for h in self._hooks + self._gate_hooks:
             h.remove()
         self._hooks = []
         for s in self._order:

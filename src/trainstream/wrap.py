@@ -90,8 +90,8 @@ def wrap(
         check_ddp(ddp, tuning)
         placement = "offload"
     elif sharded:  # each rank offloads the shards it holds
-        check_fsdp2(model, trainable, tuning)
-        placement = "offload"
+        check_fsdp2(model, trainable, tuning, activations, vram_budget)
+        placement, activations = "offload", "off"
     check_compile_mode(model)
     if any(wrapped_by(p) is not None for p in list(model.parameters()) + trainable):
         raise UnsupportedSetupError(
