@@ -310,6 +310,28 @@ def hf_finetune(results: Path) -> str:
     return "\n\n".join([intro, markdown_table(["trainer", "step", "peak VRAM"], rows), caption([("", r)])])
 
 
+def hf_trainer(name: str):
+    """hf_trainer.py: stock Trainer against TrainStreamTrainer at each accumulation and compile setting."""
+    return lambda results: hf_table(load(results, name))
+
+
+def hf_table(record: dict) -> str:
+    stock = {(r["acc"], r["compile"]): r["step_s"] for r in record["results"] if r["trainer"] == "stock"}
+    rows = []
+    for r in record["results"]:
+        base = stock.get((r["acc"], r["compile"]))
+        rows.append([str(r["acc"]), "on" if r["compile"] else "off",
+                     "TrainStreamTrainer" if r["trainer"] == "trainstream" else "transformers.Trainer",
+                     s(r["step_s"]), f"{r['step_s'] / base:.2f}x" if base else "-", gb(r.get("peak_vram_GB")),
+                     f"{r['max_rel_loss_diff_vs_stock']:.1e}" if r["trainer"] != "stock" else "-"])
+    a = record["args"]
+    intro = (f"{model_words(a, None)}; TrainingArguments' defaults (`max_grad_norm=1.0`, linear schedule) with "
+             f"`bf16=True`; TrainStreamTrainer with no option.")
+    table = markdown_table(["accumulation", "torch_compile", "trainer", "step", "vs stock", "peak VRAM",
+                            "largest relative loss difference"], rows)
+    return "\n\n".join([intro, table, caption([("", record)])])
+
+
 def copy_under_load(results: Path) -> str:
     records = [load(results, n) for n in ("copy_under_load_a", "copy_under_load_b")]
 
@@ -353,6 +375,9 @@ TABLES = {
     "copy_under_load": copy_under_load,
     "clipping_acc1": runs("clipping_acc1"),
     "clipping_acc1_streamed": runs("clipping_acc1_streamed"),
+    "clipping_acc1_rerun": runs("clipping_acc1_rerun"),
+    "hf_trainer": hf_trainer("hf_trainer"),
+    "hf_trainer_compiled_gate": hf_trainer("hf_trainer_compiled_gate"),
     "compile_acc8": runs("compile_acc8"),
 }
 

@@ -215,11 +215,16 @@ def check_fsdp2(model: torch.nn.Module, params: list[torch.Tensor], tuning, acti
 
 
 def _offloads_to_cpu(model: torch.nn.Module) -> bool:
-    """Whether fully_shard was given a CPUOffloadPolicy anywhere in `model`."""
+    """Whether fully_shard was given a CPUOffloadPolicy anywhere in `model` (torch 2.11 keeps one
+    parameter group per module, later versions a list)."""
     for module in model.modules():
         if fsdp2_root(module) is None:
             continue
-        for group in getattr(module._get_fsdp_state(), "_fsdp_param_groups", ()):
-            if any(getattr(p, "offload_to_cpu", False) for p in group.fsdp_params):
-                return True
+        state = module._get_fsdp_state()
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is None:
+            group = getattr(state, "_fsdp_param_group", None)
+            groups = [group] if group is not None else []
+        if any(getattr(p, "offload_to_cpu", False) for group in groups for p in group.fsdp_params):
+            return True
     return False
