@@ -23,12 +23,15 @@ from trainstream.distributed import partition
 
 STEPS = 6
 BATCH = 8  # global; each rank takes every world-th sample
-# (name, max_grad_norm, accumulation_steps, quiet: no_sync / no reduce-scatter before the last micro-batch)
+# (name, max_grad_norm, accumulation_steps, micro-batches a step (fewer: step() comes early),
+# quiet: no_sync / no reduce-scatter before the last micro-batch, Tuning's options)
 CASES = [
-    ("clipping every step", 0.05, 1, False),
-    ("clipping never (speculation commits)", 1e3, 1, False),
-    ("accumulation 3, reduced once", 0.05, 3, True),
-    ("accumulation 2 reduced every micro-batch, no clipping", None, 2, False),
+    ("clipping every step", 0.05, 1, 1, False, {}),
+    ("clipping never (speculation commits)", 1e3, 1, 1, False, {}),
+    ("accumulation 3, reduced once", 0.05, 3, 3, True, {}),
+    ("accumulation 2 reduced every micro-batch, no clipping", None, 2, 2, False, {}),
+    ("accumulation 2 summed in VRAM", 0.05, 2, 2, False, {"accumulate_in_vram": True}),
+    ("early steps: 2 micro-batches of 3", 0.05, 3, 2, False, {}),
 ]
 # (device, backend, world size)
 SETUPS = [
@@ -54,14 +57,14 @@ def _adamw(params) -> torch.optim.AdamW:
     return torch.optim.AdamW(params, lr=3e-2, betas=(0.9, 0.99), weight_decay=0.1)
 
 
-def _reference(clip, acc: int, steps: int = STEPS) -> tuple[list, dict]:
-    """One process, stock AdamW, the global batch (on the CPU)."""
+def _reference(clip, micro: int, steps: int = STEPS) -> tuple[list, dict]:
+    """One process, stock AdamW, the global batch (on the CPU), `micro` micro-batches a step."""
     model = _model()
     opt = _adamw(model.parameters())
     for step in range(steps):
-        for micro in range(acc):
-            x, y = _batch(step, micro)
-            (torch.nn.functional.mse_loss(model(x), y) / acc).backward()
+        for i in range(micro):
+            x, y = _batch(step, i)
+            (torch.nn.functional.mse_loss(model(x), y) / micro).backward()
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
@@ -69,14 +72,14 @@ def _reference(clip, acc: int, steps: int = STEPS) -> tuple[list, dict]:
     return [p.detach().clone() for p in model.parameters()], opt.state_dict()
 
 
-def _train(model, opt, quiet, rank: int, world: int, acc: int, steps: range, device: str, clip=None) -> None:
-    """`quiet(micro)`: a context for that micro-batch's backward (no_sync, or FSDP2's gradient sync off).
-    `clip`: for stock optimizers, clip_grad_norm_ before step()."""
+def _train(model, opt, quiet, rank: int, world: int, micro: int, steps: range, device: str, clip=None) -> None:
+    """`micro` micro-batches a step; `quiet(i)`: a context for micro-batch i's backward (no_sync, or
+    FSDP2's gradient sync off). `clip`: for stock optimizers, clip_grad_norm_ before step()."""
     for step in steps:
-        for micro in range(acc):
-            x, y = _batch(step, micro, device)
-            with quiet(micro):
-                (torch.nn.functional.mse_loss(model(x[rank::world]), y[rank::world]) / acc).backward()
+        for i in range(micro):
+            x, y = _batch(step, i, device)
+            with quiet(i):
+                (torch.nn.functional.mse_loss(model(x[rank::world]), y[rank::world]) / micro).backward()
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
@@ -122,11 +125,12 @@ def _ddp_rank(rank: int, port: int, results, device: str, backend: str, world: i
     _start(rank, port, device, backend, world)
     try:
         out = {}
-        for name, clip, acc, quiet in CASES:
+        for name, clip, acc, micro, quiet, tuning in CASES:
             ddp = _ddp(device)
-            ddp, opt = trainstream.wrap(ddp, _adamw(ddp.parameters()), max_grad_norm=clip, accumulation_steps=acc)
-            no_sync = lambda micro: ddp.no_sync() if quiet and micro < acc - 1 else contextlib.nullcontext()
-            _train(ddp, opt, no_sync, rank, world, acc, range(STEPS), device)
+            ddp, opt = trainstream.wrap(ddp, _adamw(ddp.parameters()), max_grad_norm=clip, accumulation_steps=acc,
+                                        tuning=trainstream.Tuning(**tuning))
+            no_sync = lambda i: ddp.no_sync() if quiet and i < micro - 1 else contextlib.nullcontext()
+            _train(ddp, opt, no_sync, rank, world, micro, range(STEPS), device)
             report = opt.report()
             out[name] = dict(weights=[p.detach().cpu() for p in ddp.module.parameters()],
                              state=opt.state_dict(), distributed=report["distributed"],
@@ -136,8 +140,8 @@ def _ddp_rank(rank: int, port: int, results, device: str, backend: str, world: i
             if device == "cuda":  # the same engine with stock AdamW, in these processes
                 stock = _ddp(device)
                 stock_opt = _adamw(stock.parameters())
-                no_sync = lambda micro: stock.no_sync() if quiet and micro < acc - 1 else contextlib.nullcontext()
-                _train(stock, stock_opt, no_sync, rank, world, acc, range(STEPS), device, clip)
+                no_sync = lambda i: stock.no_sync() if quiet and i < micro - 1 else contextlib.nullcontext()
+                _train(stock, stock_opt, no_sync, rank, world, micro, range(STEPS), device, clip)
                 out[name]["stock"] = [p.detach().cpu() for p in stock.module.parameters()]
         # a checkpoint taken halfway (gathered from every rank) resumes into a fresh DDP run
         plain = lambda micro: contextlib.nullcontext()
@@ -162,22 +166,31 @@ def ddp_ranks(request) -> tuple[tuple, list[dict]]:
     return request.param, _spawn(_ddp_rank, request.param)
 
 
-@pytest.mark.parametrize("name,clip,acc,quiet", CASES, ids=[c[0] for c in CASES])
-def test_ddp_matches_stock_adamw(ddp_ranks, name, clip, acc, quiet):
-    (device, _, world), ranks = ddp_ranks
-    weights, state = _reference(clip, acc)
+def _assert_trained_as_stock(ranks: list[dict], name: str, device: str, clip, micro: int, state_of) -> None:
+    """Every rank's weights against stock AdamW's (one process on the CPU, the same engine on the
+    GPU) and, on the CPU, the optimizer state each rank returns (`state_of`) against torch AdamW's."""
+    weights, state = _reference(clip, micro)
     for rank in ranks:
         got = rank[name]
         for a, b in zip(got["weights"], got["stock"] if device == "cuda" else weights):
             _close(a, b)
-        for a, b in zip(got["weights"], ranks[0][name]["weights"]):
-            assert torch.equal(a, b)  # every rank holds the very same weights
-        if device == "cpu":  # and the same gathered optimizer state, torch AdamW's
-            assert sorted(got["state"]["state"]) == sorted(state["state"])
+        if device == "cpu":
+            mine = state_of(got)
+            assert sorted(mine) == sorted(state["state"])
             for i, entry in state["state"].items():
                 for key in ("exp_avg", "exp_avg_sq"):
-                    _close(got["state"]["state"][i][key], entry[key])
-                assert float(got["state"]["state"][i]["step"]) == float(entry["step"]) == STEPS
+                    _close(mine[i][key], entry[key])
+                assert float(mine[i]["step"]) == STEPS
+
+
+@pytest.mark.parametrize("name,clip,acc,micro,quiet,tuning", CASES, ids=[c[0] for c in CASES])
+def test_ddp_matches_stock_adamw(ddp_ranks, name, clip, acc, micro, quiet, tuning):
+    (device, _, _), ranks = ddp_ranks
+    # every rank gathers the whole state, torch AdamW's
+    _assert_trained_as_stock(ranks, name, device, clip, micro, lambda got: got["state"]["state"])
+    for rank in ranks:
+        for a, b in zip(rank[name]["weights"], ranks[0][name]["weights"]):
+            assert torch.equal(a, b)  # every rank holds the very same weights
 
 
 def test_ddp_ranks_own_disjoint_shares(ddp_ranks):
@@ -224,23 +237,25 @@ def _sharded_model(device: str) -> torch.nn.Module:
 
 
 def _fsdp2_rank(rank: int, port: int, results, device: str, backend: str, world: int) -> None:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict, set_model_state_dict,
+                                                         set_optimizer_state_dict)
 
     _start(rank, port, device, backend, world)
     try:
         out = {}
-        for name, clip, acc, quiet in CASES:
+        for name, clip, acc, micro, quiet, tuning in CASES:
             def sync(model):  # reduce-scatter only the last micro-batch's sum
-                def context(micro):
+                def context(i):
                     if quiet:
-                        model.set_requires_gradient_sync(micro == acc - 1)
+                        model.set_requires_gradient_sync(i == micro - 1)
                     return contextlib.nullcontext()
                 return context
 
             model = _sharded_model(device)
             model, opt = trainstream.wrap(model, _adamw(model.parameters()), max_grad_norm=clip,
-                                          accumulation_steps=acc)
-            _train(model, opt, sync(model), rank, world, acc, range(STEPS), device)
+                                          accumulation_steps=acc, tuning=trainstream.Tuning(**tuning))
+            _train(model, opt, sync(model), rank, world, micro, range(STEPS), device)
             report = opt.report()
             state = opt.state_dict()
             out[name] = dict(
@@ -254,7 +269,7 @@ def _fsdp2_rank(rank: int, port: int, results, device: str, backend: str, world:
             if device == "cuda":
                 stock = _sharded_model(device)
                 stock_opt = _adamw(stock.parameters())
-                _train(stock, stock_opt, sync(stock), rank, world, acc, range(STEPS), device, clip)
+                _train(stock, stock_opt, sync(stock), rank, world, micro, range(STEPS), device, clip)
                 out[name]["stock"] = [_full(p.detach()) for p in stock.parameters()]
         # halfway checkpoints resume: our own (sharded) and stock AdamW's from one process
         clip, plain = 0.05, lambda micro: contextlib.nullcontext()
@@ -262,19 +277,27 @@ def _fsdp2_rank(rank: int, port: int, results, device: str, backend: str, world:
         model, opt = trainstream.wrap(model, _adamw(model.parameters()), max_grad_norm=clip)
         _train(model, opt, plain, rank, world, 1, range(STEPS // 2), device)
         saved_model, saved_opt = model.state_dict(), opt.state_dict()
+        # torch.distributed.checkpoint's helpers (keys by parameter name), as a trainer saving with DCP calls them
+        dcp_model, dcp_opt = get_model_state_dict(model), get_optimizer_state_dict(model, opt)
         opt.remove_hooks()
         single = _model(device)
         single_opt = _adamw(single.parameters())
         _train(single, single_opt, plain, 0, 1, 1, range(STEPS // 2), device, clip)
         for name, (model_state, opt_state) in {"resumed": (saved_model, saved_opt),
-                                               "from one process": (single.state_dict(), single_opt.state_dict())}.items():
+                                               "from one process": (single.state_dict(), single_opt.state_dict()),
+                                               "through DCP's helpers": (dcp_model, dcp_opt)}.items():
             model = _sharded_model(device)
             if name == "resumed":
                 model.load_state_dict(model_state)
-            else:
+            elif name == "from one process":
                 set_model_state_dict(model, model_state, options=StateDictOptions(full_state_dict=True))
+            else:
+                set_model_state_dict(model, model_state)
             model, opt = trainstream.wrap(model, _adamw(model.parameters()), max_grad_norm=clip)
-            opt.load_state_dict(opt_state)
+            if name == "through DCP's helpers":
+                set_optimizer_state_dict(model, opt, opt_state)
+            else:
+                opt.load_state_dict(opt_state)
             _train(model, opt, plain, rank, world, 1, range(STEPS // 2, STEPS), device)
             opt.synchronize()  # the last updates are still landing: parameters read directly wait for them
             out[name] = dict(weights=[_full(p.detach()) for p in model.parameters()])
@@ -295,21 +318,11 @@ def fsdp2_ranks(request) -> tuple[tuple, list[dict]]:
     return request.param, _spawn(_fsdp2_rank, request.param)
 
 
-@pytest.mark.parametrize("name,clip,acc,quiet", CASES, ids=[c[0] for c in CASES])
-def test_fsdp2_matches_stock_adamw(fsdp2_ranks, name, clip, acc, quiet):
+@pytest.mark.parametrize("name,clip,acc,micro,quiet,tuning", CASES, ids=[c[0] for c in CASES])
+def test_fsdp2_matches_stock_adamw(fsdp2_ranks, name, clip, acc, micro, quiet, tuning):
     (device, _, _), ranks = fsdp2_ranks
-    weights, state = _reference(clip, acc)
-    for rank in ranks:
-        got = rank[name]
-        for a, b in zip(got["weights"], got["stock"] if device == "cuda" else weights):
-            _close(a, b)
-        assert got["sharded_state"]  # torch AdamW's format under FSDP2: DTensor state
-        if device == "cpu":
-            assert sorted(got["state"]) == sorted(state["state"])
-            for i, entry in state["state"].items():
-                for key in ("exp_avg", "exp_avg_sq"):
-                    _close(got["state"][i][key], entry[key])
-                assert float(got["state"][i]["step"]) == STEPS
+    _assert_trained_as_stock(ranks, name, device, clip, micro, lambda got: got["state"])  # (the DTensors, whole)
+    assert all(rank[name]["sharded_state"] for rank in ranks)  # torch AdamW's format under FSDP2: DTensor state
     if clip is not None:  # one global norm, the same on every rank
         assert len({rank[name]["norm"] for rank in ranks}) == 1
 
@@ -327,7 +340,7 @@ def test_fsdp2_ranks_update_their_own_shards(fsdp2_ranks):
         assert "FSDP2: rank 1 of 2 updates" in ranks[1][name]["describe"]
 
 
-@pytest.mark.parametrize("name", ["resumed", "from one process"])
+@pytest.mark.parametrize("name", ["resumed", "from one process", "through DCP's helpers"])
 def test_fsdp2_checkpoints_resume(fsdp2_ranks, name):
     (device, _, _), ranks = fsdp2_ranks
     want = ranks[0]["clipping every step"]["stock"] if device == "cuda" else _reference(0.05, 1)[0]

@@ -1,4 +1,4 @@
-"""TrainStream under DistributedDataParallel: the reduced gradient leaves, each rank updates its share.
+"""TrainStream under torch.distributed: the reduced gradient leaves, each rank updates its share.
 
 Two things make DDP and an offloading optimizer compose:
 
@@ -14,6 +14,11 @@ Two things make DDP and an offloading optimizer compose:
 
 Every rank still measures every gradient's norm on its device, in forward order, so that the global
 norm (and so clipping) has the same bits on every rank without another collective.
+
+Under FSDP2 both come with the engine: FSDP2 calls the optimizer's post-accumulate-grad hooks itself
+with each rank's reduce-scattered shard, and each rank holds (and so offloads and updates) only its
+shards, which FSDP2 all-gathers before the next forward. The global norm is one all-reduce of the
+ranks' squared norms.
 """
 
 import threading

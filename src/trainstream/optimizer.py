@@ -87,7 +87,11 @@ class _Slot:
     @property
     def weight(self) -> torch.Tensor:
         """The tensor this process updates: the parameter, or its FSDP2 shard on this rank."""
-        return self.param._local_tensor if self.sharded else self.param
+        return self.mine(self.param)
+
+    def mine(self, t: torch.Tensor) -> torch.Tensor:
+        """This process's part of a tensor shaped as the parameter (its gradient, say)."""
+        return t._local_tensor if self.sharded else t
 
     @property
     def offloaded(self) -> bool:
@@ -416,7 +420,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
             # FSDP2 calls this hook itself, with the reduce-scattered shard (its stream current)
             # after each backward; with set_requires_gradient_sync(False) only after the last
             # micro-batch's, so the window's last is counted by forwards, as under DDP.
-            self._take(slot, grad._local_tensor, last=self._forwards >= self.accumulation_steps)
+            self._take(slot, slot.mine(grad), last=self._forwards >= self.accumulation_steps)
         elif self._dp is None:  # under DDP the gradient is not reduced yet: see _on_reduced
             self._take(slot, grad, last=self._micro == self.accumulation_steps - 1)
 
@@ -550,10 +554,10 @@ class OffloadedAdamW(torch.optim.Optimizer):
                 loss = closure()
         pending = [s for s in reversed(self._arrival) if not s.updated]  # forward order
         early = self._forwards < self.accumulation_steps  # a step before the window's last micro-batch
-        if self._dp is not None and early and self._track_norm:
-            for s in pending:  # the comm hook took no norm: it waits for the last micro-batch
-                if s.peer and s.param.grad is not None:
-                    self._measure_on_device(s, s.param.grad)
+        if early and self._track_norm:
+            for s in pending:  # a peer's norm is taken with the last micro-batch: not yet
+                if s.peer and s.param.grad is not None and not s.norm_on_device:
+                    self._measure_on_device(s, s.mine(s.param.grad))
         if self._arrival:
             self._norm_slots = sorted(self._arrival, key=lambda s: s.index)
             self._device_norms = {}
@@ -563,9 +567,10 @@ class OffloadedAdamW(torch.optim.Optimizer):
             if not s.offloaded:
                 continue
             # (under DDP, .grad also holds the sums the comm hook has already sent)
-            if s.param.grad is not None and s.sum_in_vram and (self._dp is None or early):
+            held = s.param.grad
+            if held is not None and s.sum_in_vram and (self._dp is None or early):
                 # Still summing in VRAM: an early step, or no gradient in the last backward.
-                self._send(s, s.param.grad, dict(norm=self._track_norm))
+                self._send(s, s.mine(held), dict(norm=self._track_norm))
             elif self._track_norm and (early if self._shards is not None else self._micro < self.accumulation_steps):
                 # early step: the norm was not taken during backward
                 self._pipeline.submit(s.host, from_accumulator=self._sums_on_host(s), norm=True)
