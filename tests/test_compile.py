@@ -35,7 +35,9 @@ def lm_loss(model, tokens):
 
 def train(order: str, device: str, backend: str | None = None, size: dict | None = None,
           placement="offload", **options):
-    """order: 'eager', 'before' (compile, then wrap) or 'after' (wrap, then compile)."""
+    """order: 'eager', 'before' (compile, then wrap) or 'after' (wrap, then compile); torch.compile
+    wraps the model, or with 'in place' in the order, nn.Module.compile() compiles the model itself
+    ('model in place ...') or each block ('blocks in place ...')."""
     torch.manual_seed(0)
     torch._dynamo.reset()
     size = dict(size or {})
@@ -43,12 +45,23 @@ def train(order: str, device: str, backend: str | None = None, size: dict | None
     model = TinyLM(**size).to(device)
     opt = torch.optim.AdamW(param_groups(model), lr=3e-3, betas=(0.9, 0.95))
     compile_options = {"backend": backend} if backend else {}
-    if order == "before":
-        model = torch.compile(model, **compile_options)
+
+    def compile_it(model):
+        if order.startswith("model in place"):
+            model.compile(**compile_options)
+        elif order.startswith("blocks in place"):
+            for block in model.blocks:
+                block.compile(**compile_options)
+        else:
+            model = torch.compile(model, **compile_options)
+        return model
+
+    if order.endswith("before"):
+        model = compile_it(model)
     model, opt = trainstream.wrap(model, opt, max_grad_norm=1.0, tuning=trainstream.Tuning(placement=placement),
                                   **options)
-    if order == "after":
-        model = torch.compile(model, **compile_options)
+    if order.endswith("after"):
+        model = compile_it(model)
     g = torch.Generator(device=device).manual_seed(1)
     losses = []
     for _ in range(STEPS):
@@ -63,7 +76,8 @@ def train(order: str, device: str, backend: str | None = None, size: dict | None
     return losses, [p.detach().float().clone() for p in model.parameters()], opt
 
 
-@pytest.mark.parametrize("order", ["before", "after"])
+@pytest.mark.parametrize("order", ["before", "after", "model in place, before", "blocks in place, before",
+                                   "blocks in place, after"])
 @pytest.mark.parametrize("placement", ["offload", 0.5])
 def test_compiled_model_trains_as_the_eager_one_on_cpu(order, placement):
     eager = train("eager", "cpu", placement=placement)
@@ -72,33 +86,49 @@ def test_compiled_model_trains_as_the_eager_one_on_cpu(order, placement):
     assert compiled[0] == pytest.approx(eager[0], rel=1e-5)
     assert max((a - b).abs().max().item() for a, b in zip(eager[1], compiled[1])) < 1e-4
     assert compiled[2].last_grad_norm == pytest.approx(eager[2].last_grad_norm, rel=1e-4)
-    # no forward hook of ours inside the compiled model (each would cut its graph): the whole forward
-    # waits for the uploads once, at its start
-    assert _inner_gates(compiled[2]) == 0 and _inner_gates(eager[2]) > 0
+    # no forward hook of ours inside compiled code (each would cut its graph): a compiled model waits
+    # for the uploads once, when its forward starts; a compiled block, when it starts
+    gated = _gated_modules(compiled[2])
+    if order.startswith("blocks"):
+        blocks = list(compiled[2]._model.blocks)
+        inside = {id(m) for b in blocks for m in b.modules() if m is not b}
+        assert all(b in gated for b in blocks) and not any(id(m) in inside for m in gated)
+    else:
+        assert gated == []
+    assert len(_gated_modules(eager[2])) > len(eager[2]._model.blocks)
 
 
-def _inner_gates(opt) -> int:
+def _gated_modules(opt) -> list:
     root = getattr(opt._model, "_orig_mod", opt._model)
-    return sum(len(m._forward_pre_hooks) for m in root.modules() if m is not root)
+    return [m for m in root.modules() if m is not root and m._forward_pre_hooks]
 
 
 @pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune"])
-@pytest.mark.parametrize("order", ["before", "after"])
+@pytest.mark.parametrize("order", ["before", "after", "block in place, before", "block in place, after"])
 def test_cuda_graph_modes_are_refused_with_what_to_use(mode, order):
     model = TinyLM()
     opt = torch.optim.AdamW(model.parameters())
-    if order == "before":
+    in_place = order.startswith("block in place")
+    if order.endswith("before"):
+        if in_place:
+            model.blocks[1].compile(mode=mode)
+        else:
+            model = torch.compile(model, mode=mode)
         with pytest.raises(UnsupportedSetupError, match="default mode"):
-            trainstream.wrap(torch.compile(model, mode=mode), opt, tuning=trainstream.Tuning(placement="offload"))
+            trainstream.wrap(model, opt, tuning=trainstream.Tuning(placement="offload"))
         return
     model, opt = trainstream.wrap(model, opt, tuning=trainstream.Tuning(placement="offload"))
-    compiled = torch.compile(model, mode=mode)
+    if in_place:
+        model.blocks[1].compile(mode=mode)
+        compiled = model
+    else:
+        compiled = torch.compile(model, mode=mode)
     with pytest.raises(UnsupportedSetupError, match="reduce-overhead"):
         lm_loss(compiled, torch.randint(0, 97, (2, 9)))
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("order", ["before", "after"])
+@pytest.mark.parametrize("order", ["before", "after", "blocks in place, before"])
 @pytest.mark.parametrize("placement,activations", [("offload", "off"), ("offload", 0.5), (0.5, "off")],
                          ids=["offload", "offload-paged", "half-resident"])
 def test_compiled_model_trains_as_the_eager_one_on_gpu(order, placement, activations):

@@ -169,12 +169,13 @@ GRAD_SCALER_MESSAGE = (
 )
 
 
-def check_compile_mode(compiled: torch.nn.Module) -> None:
-    """torch.compile's CUDA-graph modes ("reduce-overhead", "max-autotune") are refused: a replayed
-    graph writes its outputs, gradients included, to memory of its own that the next replay reuses,
-    which TrainStream's copies and in-VRAM sums cannot be ordered with."""
-    config = getattr(compiled, "get_compiler_config", lambda: None)() or {}
-    if config.get("triton.cudagraphs"):
+def check_compile_mode(model: torch.nn.Module) -> None:
+    """torch.compile's CUDA-graph modes ("reduce-overhead", "max-autotune") are refused, for a
+    torch.compile wrapper or any module compiled in place (nn.Module.compile()): a replayed graph
+    writes its outputs, gradients included, to memory of its own that the next replay reuses, which
+    TrainStream's copies and in-VRAM sums cannot be ordered with."""
+    compiled = [model] + [getattr(m, "_compiled_call_impl", None) for m in model.modules()]
+    if any((getattr(c, "get_compiler_config", lambda: None)() or {}).get("triton.cudagraphs") for c in compiled):
         raise UnsupportedSetupError(
             "torch.compile with CUDA graphs (mode='reduce-overhead' or 'max-autotune') is not supported: "
             "a replayed graph reuses its output memory, including gradients that TrainStream is still "

@@ -56,6 +56,11 @@ def resident_at_start(placement: str | float, count: int) -> int:
     return count if placement == "gpu" else 0
 
 
+def _compiled(module: torch.nn.Module) -> bool:
+    """Compiled in place (nn.Module.compile()) or a torch.compile wrapper."""
+    return getattr(module, "_compiled_call_impl", None) is not None or hasattr(module, "_orig_mod")
+
+
 def _forget_dead_owners() -> None:
     for key in [k for k, (p, o) in _OWNERS.items() if p() is None or o() is None]:
         del _OWNERS[key]
@@ -214,20 +219,11 @@ class OffloadedAdamW(torch.optim.Optimizer):
             self._order.append(slot)
             self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
             _OWNERS[id(p)] = (weakref.ref(p), weakref.ref(self))
-        self._build_gates()
+        self._gate_hooks = None  # laid out below
+        self._gate_units: list[torch.nn.Module] = []
+        self._whole_forward_gate = self._shards is not None
+        self._layout_gates()
         self._install_gates()
-        # A forward pre-hook on each module that owns a trainable parameter waits for that module's
-        # uploads only, so the next forward starts while later layers still update; what changes
-        # from step to step is what they wait for, not the hooks. Under torch.compile each would be
-        # a graph break (they call the native pipeline), cutting the compiled forward at every
-        # module: a compiled model (seen here, or at its first forward when compiled after wrap())
-        # waits for every upload once, when its forward starts (_gate_whole_forward). So does an
-        # FSDP2 model, whose all-gathers read a module's weights before that module's hook runs.
-        self._gate_hooks = []
-        self._whole_forward_gate = self._shards is not None or hasattr(model, "_orig_mod")
-        if not self._whole_forward_gate:
-            for module in {m for m in model.modules() if any(p in self._slots for p in m.parameters(recurse=False))}:
-                self._gate_hooks.append(module.register_forward_pre_hook(self._gate_hook(module)))
         self._ensure_staging()
         self._pipeline.upload_terms = True
         if self._placement != "auto":
@@ -251,15 +247,45 @@ class OffloadedAdamW(torch.optim.Optimizer):
             state["master_param"] = self._host_tensor(slot.host, "master", slot.weight)
         return state
 
+    def _layout_gates(self) -> None:
+        """Where the forward gates are. A forward pre-hook on each module that owns a trainable
+        parameter waits for that module's uploads only, so the next forward starts while later
+        layers still update; what changes from step to step is what they wait for, not the hooks.
+        Under torch.compile each would be a graph break (they call the native pipeline), cutting the
+        compiled code at every module: so a module compiled in place (nn.Module.compile()) or
+        wrapped by torch.compile gates once, at its start, for every parameter inside it, and a
+        compiled model waits for every upload when its forward starts (_before_forward). So does an
+        FSDP2 model, whose all-gathers read a module's weights before that module's hook runs. Run
+        at wrap() and at each window's first forward, before dynamo traces the modules: a model
+        compiled after wrap() gets its gates moved then."""
+        whole = self._whole_forward_gate or _compiled(self._model) or bool(compiled_wrappers(self._model))
+        units = [] if whole else self._units_of(self._model)
+        if self._gate_hooks is not None and (whole, units) == (self._whole_forward_gate, self._gate_units):
+            return
+        for hook in self._gate_hooks or ():
+            hook.remove()
+        self._whole_forward_gate, self._gate_units = whole, units
+        self._gate_hooks = [unit.register_forward_pre_hook(self._gate_hook(unit)) for unit in units]
+        self._build_gates()
+
+    def _units_of(self, module: torch.nn.Module) -> list[torch.nn.Module]:
+        """The modules under `module` that gate (see _layout_gates), in module order."""
+        if _compiled(module):
+            return [module] if any(p in self._slots for p in module.parameters()) else []
+        units = [module] if any(p in self._slots for p in module.parameters(recurse=False)) else []
+        for child in module.children():
+            units += self._units_of(child)
+        return units
+
     def _build_gates(self) -> None:
-        """What each module's gate waits for: the uploads of its offloaded parameters (resident
+        """What each gate waits for: the uploads of the offloaded parameters it gates for (resident
         ones are updated on the compute stream itself, before any later kernel reads them)."""
         self._gated = {}
-        for module in self._model.modules() if self._shards is None else ():  # FSDP2: see _before_forward
-            own = [self._slots[p].host for p in module.parameters(recurse=False)
-                   if p in self._slots and self._slots[p].offloaded]
+        for unit in self._gate_units:
+            inside = unit.parameters() if _compiled(unit) else unit.parameters(recurse=False)
+            own = [self._slots[p].host for p in inside if p in self._slots and self._slots[p].offloaded]
             if own:
-                self._gated[module] = own
+                self._gated[unit] = own
         self._hosts = [s.host for s in self._order if s.offloaded]
 
     def _speculates(self, slot: _Slot) -> bool:
@@ -347,11 +373,9 @@ class OffloadedAdamW(torch.optim.Optimizer):
     def _before_forward(self, args: tuple, kwargs: dict) -> None:
         check_autocast(self._device.type)
         if self._forwards == 0:  # a model compiled after wrap() is seen at its first forward
-            compiled = compiled_wrappers(self._model)
-            for wrapper in compiled:
+            for wrapper in compiled_wrappers(self._model) + [self._model]:
                 check_compile_mode(wrapper)
-            if compiled and not self._whole_forward_gate:
-                self._gate_whole_forward()
+            self._layout_gates()
         if torch.is_grad_enabled():
             if self._forwards == 0 and self._profiler is not None:
                 self._placement_window_starts(args, kwargs)
@@ -364,14 +388,6 @@ class OffloadedAdamW(torch.optim.Optimizer):
         # accumulation window, forwards after the first then make no native call per module.
         if self._gates_on and not self._gate_always and self._pipeline.settled(self._hosts):
             self._remove_gates()
-
-    def _gate_whole_forward(self) -> None:
-        """Replaces the per-module gates by one at the start of forward (see _register). Called
-        from the model's first hook, before dynamo traces the modules inside it."""
-        for hook in self._gate_hooks:
-            hook.remove()
-        self._gate_hooks = []
-        self._whole_forward_gate = True
 
     def _gate_hook(self, module: torch.nn.Module):
         # A module that has gated on a stream need not again until another update is queued: its
