@@ -25,14 +25,21 @@ STEPS = 6
 BATCH = 8  # global; each rank takes every world-th sample
 # (name, max_grad_norm, accumulation_steps, micro-batches a step (fewer: step() comes early),
 # quiet: no_sync / no reduce-scatter before the last micro-batch, Tuning's options)
+# (Under DDP the default placement plans each rank's share after two profiled windows: on the CPU,
+# with no VRAM to save, it keeps every owned state beside the weights; "offload" keeps it on the host.)
+OFFLOAD = {"placement": "offload"}
 CASES = [
-    ("clipping every step", 0.05, 1, 1, False, {}),
-    ("clipping never (speculation commits)", 1e3, 1, 1, False, {}),
-    ("accumulation 3, reduced once", 0.05, 3, 3, True, {}),
-    ("accumulation 2 reduced every micro-batch, no clipping", None, 2, 2, False, {}),
-    ("accumulation 2 summed in VRAM", 0.05, 2, 2, False, {"accumulate_in_vram": True}),
-    ("early steps: 2 micro-batches of 3", 0.05, 3, 2, False, {}),
+    ("clipping every step", 0.05, 1, 1, False, OFFLOAD),
+    ("clipping never (speculation commits)", 1e3, 1, 1, False, OFFLOAD),
+    ("accumulation 3, reduced once", 0.05, 3, 3, True, OFFLOAD),
+    ("accumulation 2 reduced every micro-batch, no clipping", None, 2, 2, False, OFFLOAD),
+    ("accumulation 2 summed in VRAM", 0.05, 2, 2, False, {"accumulate_in_vram": True, **OFFLOAD}),
+    ("early steps: 2 micro-batches of 3", 0.05, 3, 2, False, OFFLOAD),
+    ("default placement, accumulation 2 reduced every micro-batch", 0.05, 2, 2, False, {}),
+    ("half the parameters resident, accumulation 3 reduced once", 0.05, 3, 3, True, {"placement": 0.5}),
 ]
+# FSDP2 offloads every shard (a placement other than the default is refused there)
+FSDP2_CASES = [case for case in CASES if case[5].get("placement", "auto") in ("auto", "offload")]
 # (device, backend, world size)
 SETUPS = [
     pytest.param(("cpu", "gloo", 2), id="cpu-gloo-2"),
@@ -134,6 +141,7 @@ def _ddp_rank(rank: int, port: int, results, device: str, backend: str, world: i
             report = opt.report()
             out[name] = dict(weights=[p.detach().cpu() for p in ddp.module.parameters()],
                              state=opt.state_dict(), distributed=report["distributed"],
+                             resident=report["placement"]["resident_params"],
                              speculation=report["speculation"], host_bytes=report["host_bytes_used"],
                              describe=opt.describe())
             opt.remove_hooks()
@@ -203,6 +211,11 @@ def test_ddp_ranks_own_disjoint_shares(ddp_ranks):
     for r in ranks:  # host memory follows the share (about 16 bytes an element here), not the whole model
         assert r[name]["host_bytes"] <= 20 * r[name]["distributed"]["owned_elements"]
     assert f"DistributedDataParallel: rank 0 of {world} updates" in ranks[0][name]["describe"]
+    # the default placement plans each rank's own share: with VRAM to spare, every owned state stays
+    # beside the weights (and a peer's costs nothing)
+    planned = "default placement, accumulation 2 reduced every micro-batch"
+    assert all(r[planned]["resident"] == r[planned]["distributed"]["owned_params"] for r in ranks)
+    assert all(r[name]["resident"] == 0 for r in ranks)
     # the comm hook hands gradients over during backward: updates start before the norm is known
     assert all(r[CASES[1][0]]["speculation"]["hits"] == STEPS for r in ranks)
     assert all(r[name]["speculation"]["hits"] == 0 for r in ranks)
@@ -244,7 +257,7 @@ def _fsdp2_rank(rank: int, port: int, results, device: str, backend: str, world:
     _start(rank, port, device, backend, world)
     try:
         out = {}
-        for name, clip, acc, micro, quiet, tuning in CASES:
+        for name, clip, acc, micro, quiet, tuning in FSDP2_CASES:
             def sync(model):  # reduce-scatter only the last micro-batch's sum
                 def context(i):
                     if quiet:
@@ -318,7 +331,7 @@ def fsdp2_ranks(request) -> tuple[tuple, list[dict]]:
     return request.param, _spawn(_fsdp2_rank, request.param)
 
 
-@pytest.mark.parametrize("name,clip,acc,micro,quiet,tuning", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("name,clip,acc,micro,quiet,tuning", FSDP2_CASES, ids=[c[0] for c in FSDP2_CASES])
 def test_fsdp2_matches_stock_adamw(fsdp2_ranks, name, clip, acc, micro, quiet, tuning):
     (device, _, _), ranks = fsdp2_ranks
     _assert_trained_as_stock(ranks, name, device, clip, micro, lambda got: got["state"])  # (the DTensors, whole)

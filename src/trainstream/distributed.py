@@ -9,8 +9,9 @@ Two things make DDP and an offloading optimizer compose:
 * Host memory and host work must not grow with the number of ranks on a machine. Every rank holds
   the same averaged gradients, so each parameter's AdamW state and update belong to one rank only
   (its *owner*): ranks own disjoint shares balanced by size and interleaved in forward order, so
-  that every rank's gradients arrive throughout backward. At step() each owner broadcasts its new
-  weights to the other ranks.
+  that every rank's gradients arrive throughout backward. Each rank's placement planner places its
+  own share (a peer's parameter costs it nothing), so a model that fits keeps every owned state in
+  VRAM and updates it there. At step() each owner broadcasts its new weights to the other ranks.
 
 Every rank still measures every gradient's norm on its device, in forward order, so that the global
 norm (and so clipping) has the same bits on every rank without another collective.
@@ -80,13 +81,11 @@ class DataParallel:
             for param, grad in zip(params, grads):
                 optimizer._on_reduced(param, grad)
 
-    def broadcast(self, params: list[torch.Tensor], owners: list[int]) -> None:
-        """Every rank's copy of `params` (the same list, in the same order, on every rank) becomes
-        its owner's."""
-        works = [dist.broadcast(p.detach(), src=dist.get_global_rank(self.group, owner), group=self.group,
-                                async_op=True) for p, owner in zip(params, owners)]
-        for work in works:
-            work.wait()
+    def broadcast(self, param: torch.Tensor, owner: int):
+        """Queues the broadcast of `owner`'s copy of `param` to every rank (every rank queues the same
+        broadcasts in the same order); returns the work to wait for."""
+        return dist.broadcast(param.detach(), src=dist.get_global_rank(self.group, owner), group=self.group,
+                              async_op=True)
 
     def gather_state(self, local: dict) -> dict:
         """A torch AdamW state dict whose "state" holds every rank's entries (indices are global:
@@ -117,12 +116,7 @@ def _reduce_then_hand_over(state: "DataParallel", bucket) -> torch.futures.Futur
 
 
 def check_ddp(ddp: torch.nn.parallel.DistributedDataParallel, tuning) -> None:
-    """What wrap() refuses under DDP: placements other than all offloaded (the planner does not
-    plan across ranks yet)."""
-    if tuning.placement not in ("auto", "offload"):
-        raise UnsupportedSetupError(
-            f"under DistributedDataParallel every rank offloads the parameters it owns; "
-            f"Tuning(placement={tuning.placement!r}) is not supported there. Leave placement at its default.")
+    """What wrap() refuses under DDP: summing micro-batches on the host (DDP sums them in .grad)."""
     if tuning.accumulate_in_vram is False:
         raise UnsupportedSetupError(
             "under DistributedDataParallel gradients are summed where DDP sums them, in VRAM (use "

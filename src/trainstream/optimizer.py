@@ -207,7 +207,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
             slot.state = {"step": torch.tensor(0.0)}
             if resident:
                 slot.resident = True
-                slot.device_state = ResidentAdamW.new_state(p, acc)
+                slot.device_state = ResidentAdamW.new_state(p, acc if self._dp is None else 1)
                 slot.state.update({k: v for k, v in slot.device_state.items() if k != "accumulator"})
             elif not peer:
                 slot.state.update(self._host_state(slot))
@@ -643,11 +643,18 @@ class OffloadedAdamW(torch.optim.Optimizer):
         return loss
 
     def _share_updates(self, slots: list) -> None:
-        """Under DDP: every rank's weights become their owners' once the updates are uploaded, and
-        the reduced gradients DDP left in .grad go (they have been sent, or belong to a peer)."""
-        self.synchronize()
-        slots = sorted(slots, key=lambda s: s.index)  # the same order on every rank
-        self._dp.broadcast([s.param for s in slots], [self._dp.owners[s.index] for s in slots])
+        """Under DDP: every rank's weights become their owners'. The broadcasts are queued in
+        forward order (the same on every rank), each of an owner's as soon as that parameter's
+        upload is (the host updates run in forward order too, so later ones overlap the first
+        broadcasts). The reduced gradients DDP left in .grad go: sent, or a peer's."""
+        stream = self._current_stream()
+        sends = []
+        for s in sorted(slots, key=lambda s: s.index):
+            if s.offloaded:
+                self._pipeline.gate([s.host], stream)
+            sends.append(self._dp.broadcast(s.param, self._dp.owners[s.index]))
+        for send in sends:
+            send.wait()
         for p in self._slots:
             p.grad = None
 
@@ -835,7 +842,9 @@ class OffloadedAdamW(torch.optim.Optimizer):
             j = block_of.get(s.param)
             where = min(j, n) if j is not None else (-1 if inside and s.index < inside[0] else n)
             params.append(planner.ParamCost(
-                name=self._name(s), numel=s.param.numel(), element_size=s.param.element_size(), block=where,
+                # a peer's state and update are another rank's: keeping it costs this rank nothing
+                name=self._name(s), numel=0 if s.peer else s.weight.numel(), element_size=s.param.element_size(),
+                block=where,
                 need_s=times["need_s"][s.index], arrival_s=times["arrival_s"][s.index],
                 segment_peak=times["segment_peak"][s.index]))
         stats, start = self._pipeline.stats(), self._stats_at_start
@@ -866,9 +875,14 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self.synchronize()
         _ = self.last_grad_norm  # the window's norm, read where its parts were taken
         for i, s in enumerate(self._order):
+            if s.peer:  # (costs this rank nothing: see _build_profile)
+                continue
             resident = i < plan.resident
             if resident != s.resident:
                 self._move(s, resident)
+            if self._dp is not None:  # micro-batches are summed where DDP sums them
+                s.sum_in_vram = not resident and self.accumulation_steps > 1
+                continue
             summable = not resident and self.accumulation_steps > 1 and s.param.dtype == torch.float32
             wanted = self._vram_sums if self._vram_sums is not None else i < plan.resident + plan.vram_sums
             # (without a host accumulator, the sums can only be in VRAM)
@@ -892,7 +906,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
     def _move(self, slot: _Slot, resident: bool) -> None:
         p = slot.param
         if resident:
-            state = ResidentAdamW.new_state(p, self.accumulation_steps)
+            # (under DDP, .grad holds the window's sum: no fp32 sum of micro-batches beside it)
+            state = ResidentAdamW.new_state(p, self.accumulation_steps if self._dp is None else 1)
             host = self._host_state(slot)
             for key, value in host.items():  # the host's state (and bf16 master) carries over
                 state[key].copy_(value)

@@ -43,7 +43,9 @@ def wrap(
     Args:
         model: the model, already on its GPU (or on the CPU, where the same machinery runs with
             plain copies: useful for testing). Weights stay where they are. It may be compiled
-            (torch.compile, default mode) before or after wrap().
+            (torch.compile, default mode) before or after wrap(). On several GPUs, the
+            DistributedDataParallel model, or the FSDP2 one (fully_shard on the model itself): each
+            rank then offloads and updates only its share (trainstream.distributed).
         optimizer: a torch.optim.AdamW (or Adam without weight decay) over the model's
             trainable parameters. Its param_groups are shared with the returned optimizer.
         max_grad_norm: clip the global gradient L2 norm to this (as clip_grad_norm_ would).
@@ -86,9 +88,8 @@ def wrap(
     check_not_distributed(model, trainable)
     ddp = data_parallel_of(model)
     sharded = _is_sharded(model)
-    if ddp is not None:  # each rank offloads the share it owns (trainstream.distributed)
+    if ddp is not None:  # each rank places and updates the share it owns (trainstream.distributed)
         check_ddp(ddp, tuning)
-        placement = "offload"
     elif sharded:  # each rank offloads the shards it holds
         check_fsdp2(model, trainable, tuning, activations, vram_budget)
         placement, activations = "offload", "off"
