@@ -1,5 +1,5 @@
-"""DistributedDataParallel and FSDP2: several ranks, each updating its own share of the parameters
-(DDP) or its own shards (FSDP2) on its host threads.
+"""DistributedDataParallel and FSDP2: several ranks, each keeping and updating only its own share
+of the parameters (DDP: where its placement puts them) or its own shards (FSDP2: on the host).
 
 On the CPU (gloo, two processes): against one process training stock AdamW on the same global
 batch. On the GPU: against the same engine with stock torch AdamW in the same processes (the

@@ -222,7 +222,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self._gate_hooks = None  # laid out below
         self._gate_units: list[torch.nn.Module] = []
         self._whole_forward_gate = self._shards is not None
-        self._layout_gates()
+        self._layout_gates(wrapped_by_compile=False)
         self._install_gates()
         self._ensure_staging()
         self._pipeline.upload_terms = True
@@ -247,7 +247,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
             state["master_param"] = self._host_tensor(slot.host, "master", slot.weight)
         return state
 
-    def _layout_gates(self) -> None:
+    def _layout_gates(self, wrapped_by_compile: bool) -> None:
         """Where the forward gates are. A forward pre-hook on each module that owns a trainable
         parameter waits for that module's uploads only, so the next forward starts while later
         layers still update; what changes from step to step is what they wait for, not the hooks.
@@ -257,9 +257,10 @@ class OffloadedAdamW(torch.optim.Optimizer):
         compiled model waits for every upload when its forward starts (_before_forward). So does an
         FSDP2 model, whose all-gathers read a module's weights before that module's hook runs. Run
         at wrap() and at each window's first forward, before dynamo traces the modules: a model
-        compiled after wrap() gets its gates moved then."""
-        whole = self._whole_forward_gate or _compiled(self._model) or bool(compiled_wrappers(self._model))
-        units = [] if whole else self._units_of(self._model)
+        compiled after wrap() gets its gates moved then (`wrapped_by_compile`: a torch.compile wrapper
+        of the model is calling it)."""
+        whole = self._whole_forward_gate or _compiled(self._model) or wrapped_by_compile
+        units = [] if whole else list(dict.fromkeys(self._units_of(self._model)))  # (a shared module once)
         if self._gate_hooks is not None and (whole, units) == (self._whole_forward_gate, self._gate_units):
             return
         for hook in self._gate_hooks or ():
@@ -373,9 +374,10 @@ class OffloadedAdamW(torch.optim.Optimizer):
     def _before_forward(self, args: tuple, kwargs: dict) -> None:
         check_autocast(self._device.type)
         if self._forwards == 0:  # a model compiled after wrap() is seen at its first forward
-            for wrapper in compiled_wrappers(self._model) + [self._model]:
-                check_compile_mode(wrapper)
-            self._layout_gates()
+            wrappers = compiled_wrappers(self._model)
+            for compiled in wrappers + [self._model]:
+                check_compile_mode(compiled)
+            self._layout_gates(wrapped_by_compile=bool(wrappers))
         if torch.is_grad_enabled():
             if self._forwards == 0 and self._profiler is not None:
                 self._placement_window_starts(args, kwargs)
