@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 
 from trainstream import placement as planner
+from trainstream.distributed import local_shard
 from trainstream.errors import (GRAD_SCALER_MESSAGE, TrainingLoopError, UnsupportedSetupError, VramBudgetError,
                                 check_autocast, check_compile_mode, check_single_process, compiled_wrappers)
 from trainstream.host_adamw import DTYPE_NAMES
@@ -96,7 +97,7 @@ class _Slot:
 
     def mine(self, t: torch.Tensor) -> torch.Tensor:
         """This process's part of a tensor shaped as the parameter (its gradient, say)."""
-        return t._local_tensor if self.sharded else t
+        return local_shard(t) if self.sharded else t
 
     @property
     def offloaded(self) -> bool:
@@ -195,7 +196,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         host_sums = acc > 1 and self._vram_sums is not True and self._dp is None
         owners = self._dp.owners if self._dp is not None else None
         for i, (p, group) in enumerate(trainable):
-            weight = p._local_tensor if self._shards is not None else p
+            weight = local_shard(p) if self._shards is not None else p
             peer = owners is not None and owners[i] != self._dp.rank or weight.numel() == 0
             resident = i < resident_count and not peer
             host = None
@@ -375,7 +376,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         check_autocast(self._device.type)
         if self._forwards == 0:  # a model compiled after wrap() is seen at its first forward
             wrappers = compiled_wrappers(self._model)
-            for compiled in wrappers + [self._model]:
+            for compiled in wrappers or [self._model]:  # (a wrapper's modules include the model's)
                 check_compile_mode(compiled)
             self._layout_gates(wrapped_by_compile=bool(wrappers))
         if torch.is_grad_enabled():
@@ -987,10 +988,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
         """Under FSDP2, torch AdamW's format as FSDP2 gives it (and torch.distributed.checkpoint
         saves it): each state tensor a DTensor sharded as its parameter, whose local part is this
         rank's host copy; ranks whose shard of a parameter is empty hold empty parts."""
-        index, start = {}, 0
-        for group in self.param_groups:  # torch's numbering: params in group order, across groups
-            index.update({id(p): start + k for k, p in enumerate(group["params"])})
-            start += len(group["params"])
+        index = {id(p): i for group, saved in zip(self.param_groups, local["param_groups"])  # torch's numbering
+                 for p, i in zip(group["params"], saved["params"])}
         state = {}
         for slot in self._order:
             i = index[id(slot.param)]
