@@ -9,9 +9,11 @@ transformers is installed, else a small built-in equivalent). Step time is the w
 everything (host threads included) has finished. Modes whose package is not installed
 (torchao, deepspeed) are reported as skipped.
 
-Peers: torchao's CPUOffloadOptimizer around torch's AdamW, and DeepSpeed ZeRO stage 2 with the
-optimizer offloaded to the host (its CPU AdamW, fp32 master weights in pinned memory), set up for
-one process on one GPU with the same batch, accumulation, clipping and bf16 handling.
+Peers: torchao's CPUOffloadOptimizer around torch's AdamW, DeepSpeed ZeRO stage 2 with the
+optimizer offloaded to the host (its CPU AdamW, fp32 master weights in pinned memory) and, for
+models whose weights do not fit, ZeRO stage 3 with the parameters offloaded too ('deepspeed3',
+the model built under deepspeed.zero.Init straight into host memory), set up for one process on
+one GPU with the same batch, accumulation, clipping and bf16 handling.
 """
 
 from __future__ import annotations
@@ -49,9 +51,10 @@ def build_model(args, device) -> torch.nn.Module:
         torch.set_default_dtype(default)
 
 
-def deepspeed_engine(model, args):
-    """DeepSpeed ZeRO-2, optimizer offloaded to the host, configured like the other modes."""
-    import deepspeed  # skipped when missing
+def deepspeed_config(args, stage: int) -> dict:
+    """DeepSpeed ZeRO-2 with the optimizer offloaded to the host, or ZeRO-3 with the parameters
+    offloaded as well, configured like the other modes (one process on one GPU)."""
+    import deepspeed  # noqa: F401  (skipped when missing)
 
     if not torch.distributed.is_initialized():  # one process on one GPU; kept for later deepspeed modes
         with socket.socket() as s:
@@ -59,23 +62,40 @@ def deepspeed_engine(model, args):
             port = s.getsockname()[1]
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
         torch.distributed.init_process_group("nccl", device_id=torch.device("cuda", 0))
-    config = {
+    zero = {"stage": stage, "offload_optimizer": {"device": "cpu", "pin_memory": True}}
+    if stage == 3:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    return {
         "train_micro_batch_size_per_gpu": args.batch,
         "gradient_accumulation_steps": args.acc,
         "gradient_clipping": args.clip or 0.0,  # DeepSpeed clips at 1.0 unless told otherwise
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}},  # CPU AdamW when offloaded
-        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}},
+        "zero_optimization": zero,
         "bf16": {"enabled": args.weights == "bf16"},
         # the engine turns off an outer autocast unless its own config asks for one
         "torch_autocast": {"enabled": args.autocast, "dtype": "bfloat16"},
     }
+
+
+def deepspeed_engine(model, config: dict):
+    import deepspeed
+
     engine, opt, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     return engine, opt
 
 
 def run_mode(mode: str, args) -> dict:
     torch.manual_seed(0)
-    model = build_model(args, "cuda")
+    base = mode.split("+")[0]
+    if base == "deepspeed3":  # built straight into host memory, partitioned as it is made
+        import deepspeed
+
+        config = deepspeed_config(args, 3)
+        with deepspeed.zero.Init(config_dict_or_path=config, remote_device="cpu", pin_memory=True):
+            model = build_model(args, "cpu")
+    else:
+        # --host-model: a model whose weights may not fit the GPU waits in host memory for wrap()
+        model = build_model(args, "cpu" if args.host_model and base == "trainstream" else "cuda")
     params = sum(p.numel() for p in model.parameters())
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     sync = lambda: None
@@ -94,13 +114,15 @@ def run_mode(mode: str, args) -> dict:
     # '+ckpt' or '+save_on_cpu' may come with one of TrainStream's variants: 'trainstream+ckpt+auto'.
     # On any mode: '+compile' compiles the model (torch.compile, default mode) before the optimizer
     # is built or wrapped, '+compileafter' after wrap(); '+noclip' or '+clipX' (e.g. +clip1e9)
-    # replace --clip for that mode.
+    # replace --clip for that mode. '+streamN' streams the weights of the last N blocks
+    # (Tuning(streamed_blocks=N)).
     threads = next((int(e[1:]) for e in extras if re.fullmatch(r"t\d+", e)), 0)
+    streams = [int(e[6:]) for e in extras if re.fullmatch(r"stream\d+", e)]
     clips = [e for e in extras if e == "noclip" or re.fullmatch(r"clip[0-9.e+-]+", e)]
     clip = args.clip if not clips else None if clips[0] == "noclip" else float(clips[0][4:])
     compiling = [e for e in extras if e in ("compile", "compileafter")]
     knobs = {e for e in extras if e in ("fp32grads", "everygate", "pageonly", "master", "offload", "waitclip",
-                                        f"t{threads}", *clips, *compiling)}
+                                        f"t{threads}", *clips, *compiling, *(f"stream{n}" for n in streams))}
     keeping = [e for e in extras if e in ("ckpt", "save_on_cpu")]
     variants = [e for e in extras if e not in knobs and e not in keeping]
     if len(variants) > 1 or len(keeping) > 1:
@@ -121,13 +143,16 @@ def run_mode(mode: str, args) -> dict:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
         t0 = time.perf_counter()
         tuning = dict(recompute="pageonly" not in knobs, threads=threads, pack_gradients="fp32grads" not in knobs,
-                      upload_update_terms="master" not in knobs, speculative_clipping="waitclip" not in knobs)
+                      upload_update_terms="master" not in knobs, speculative_clipping="waitclip" not in knobs,
+                      streamed_blocks=streams[0] if streams else None)
         if variant or "offload" in knobs:
             options = paging_options(variant, args)
             tuning.update(placement="offload", accumulate_in_vram=variant == "vramacc",
                           prefetch_depth=args.prefetch_depth)
         else:
             options = dict(vram_budget=args.vram_budget)
+        if args.host_model:
+            options["device"] = "cuda"
         model, opt = trainstream.wrap(model, opt, accumulation_steps=args.acc, max_grad_norm=clip,
                                       tuning=trainstream.Tuning(**tuning), **options)
         setup_s = time.perf_counter() - t0
@@ -143,7 +168,9 @@ def run_mode(mode: str, args) -> dict:
         opt = CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, offload_gradients=args.acc == 1,
                                   fused=True, lr=1e-4, weight_decay=0.01)
     elif base == "deepspeed":
-        model, opt = deepspeed_engine(model, args)
+        model, opt = deepspeed_engine(model, deepspeed_config(args, 2))
+    elif base == "deepspeed3":
+        model, opt = deepspeed_engine(model, config)
     elif base == "no-optimizer":
         # The VRAM floor of an optimizer that keeps nothing but the weights on the GPU: forward and
         # backward, each gradient dropped as soon as autograd has produced it, no update.
@@ -163,12 +190,12 @@ def run_mode(mode: str, args) -> dict:
         for _ in range(acc):
             with torch.autocast("cuda", dtype=torch.bfloat16, enabled=args.autocast), saving():
                 loss = causal_lm_loss(model, tokens)
-            if base == "deepspeed":  # the engine divides by acc, then steps and clips at the last micro-batch
+            if base.startswith("deepspeed"):  # the engine divides by acc, then steps and clips at the last micro-batch
                 model.backward(loss)
                 model.step()
             else:
                 (loss / acc).backward()
-        if base != "deepspeed":
+        if not base.startswith("deepspeed"):
             if clip is not None and base not in ("trainstream", "no-optimizer"):
                 torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
             opt.step()
@@ -203,7 +230,7 @@ def run_mode(mode: str, args) -> dict:
         result["report"] = opt.report()
         print(opt.describe(), flush=True)
         opt.remove_hooks()
-    if base == "deepspeed":
+    if base.startswith("deepspeed"):
         model.destroy()  # hooks, pinned buffers and the CPU AdamW state go with the engine
     return result
 
@@ -252,6 +279,9 @@ def main(argv=None) -> int:
                     help="steps before timing (TrainStream profiles two, then places everything)")
     ap.add_argument("--vram-cap-gb", type=float, default=None,
                     help="cap this process's VRAM (torch.cuda.set_per_process_memory_fraction)")
+    ap.add_argument("--host-model", action="store_true",
+                    help="build the model in host memory and let wrap() place it on the GPU (device='cuda'): "
+                         "for trainstream modes whose weights may not fit the GPU")
     add_paging_arguments(ap)
     ap.add_argument("--modes", default="gpu-adamw,trainstream,torchao",
                     help="comma list of gpu-adamw, trainstream, torchao, deepspeed, no-optimizer (forward "

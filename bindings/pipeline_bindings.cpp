@@ -69,10 +69,15 @@ void bind_pipeline(py::module_& m) {
         if (name == "next_exp_avg" && p->next_exp_avg) return HostView{p, p->next_exp_avg, 4 * p->numel};
         if (name == "next_exp_avg_sq" && p->next_exp_avg_sq) return HostView{p, p->next_exp_avg_sq, 4 * p->numel};
         if (name == "next_master" && p->next_master) return HostView{p, p->next_master, 4 * p->numel};
+        if (name == "weights" && p->keeps_weights_on_host()) {
+          if (p->weight_dtype == DType::bfloat16) return HostView{p, p->host_bf16, 2 * p->numel};
+          return HostView{p, p->master, 4 * p->numel};
+        }
         throw std::invalid_argument("HostParam has no buffer '" + name + "'");
       }, py::arg("name"), py::keep_alive<0, 1>(),
       "Bytes of one buffer: master, exp_avg, exp_avg_sq, grad, accumulator, or (with speculation) "
-      "next_exp_avg, next_exp_avg_sq, next_master. A commit swaps each next_ buffer with its twin.");
+      "next_exp_avg, next_exp_avg_sq, next_master; with keep_weights_on_host, weights (the weights in their "
+      "dtype). A commit swaps each next_ buffer with its twin.");
 
   py::class_<OffloadPipeline> pipeline(m, "OffloadPipeline");
   pipeline
@@ -147,6 +152,10 @@ void bind_pipeline(py::module_& m) {
              py::gil_scoped_release release;
              return o.enable_speculation(p);
            }, py::arg("param"), "Next-state buffers for speculative updates; returns the host bytes taken.")
+      .def("keep_weights_on_host", [](OffloadPipeline& o, HostParam& p) {
+             py::gil_scoped_release release;
+             return o.keep_weights_on_host(p);
+           }, py::arg("param"), "Keeps the parameter's weights in host memory from now on; returns the host bytes taken.")
       .def_static("speculation_bytes", [](std::size_t numel, const std::string& dtype) {
              return OffloadPipeline::speculation_bytes(numel, parse_dtype(dtype));
            }, py::arg("numel"), py::arg("weight_dtype"))

@@ -178,6 +178,7 @@ std::size_t OffloadPipeline::enable_speculation(HostParam& p) {
   {
     std::unique_lock<std::mutex> lock(mutex_);
     wait_idle(p, lock);  // no job may be reading the pointers set below
+    TS_EXPECTS(!p.keeps_weights_, "OffloadPipeline: weights kept on the host do not speculate");
     if (p.next_exp_avg) return 0;
   }
   const auto touched = [&](std::size_t bytes) {
@@ -199,6 +200,22 @@ std::size_t OffloadPipeline::enable_speculation(HostParam& p) {
   p.next_master = master;
   p.next_bf16 = bf16;
   return speculation_bytes(p.numel, p.weight_dtype);
+}
+
+std::size_t OffloadPipeline::keep_weights_on_host(HostParam& p) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  wait_idle(p, lock);  // no job may be writing the rounding where it used to go
+  if (p.keeps_weights_) return 0;
+  std::size_t bytes = 0;
+  if (p.weight_dtype == DType::bfloat16 && p.host_bf16 == nullptr) {
+    lock.unlock();  // (the arena has a lock of its own)
+    auto* buffer = static_cast<std::uint16_t*>(transfer_->arena().allocate(2 * p.numel));
+    lock.lock();
+    p.host_bf16 = buffer;
+    bytes = 2 * p.numel;
+  }
+  p.keeps_weights_ = true;
+  return bytes;
 }
 
 std::size_t OffloadPipeline::abandon_speculation() {
@@ -223,6 +240,7 @@ void OffloadPipeline::wait(const std::vector<HostParam*>& params) {
 void OffloadPipeline::check_job(const HostParam& p, const GradJob& job) {
   TS_EXPECTS(!(job.accumulate || job.from_accumulator) || p.accumulator,
              "OffloadPipeline: accumulation requested for a parameter without an accumulator");
+  TS_EXPECTS(!job.speculate || !p.keeps_weights_, "OffloadPipeline: weights kept on the host do not speculate");
   TS_EXPECTS(!(job.speculate || job.commit) || p.next_exp_avg,
              "OffloadPipeline: speculation requested for a parameter without next-state buffers "
              "(enable_speculation)");
@@ -317,8 +335,9 @@ void OffloadPipeline::start(Task& task) {
     b.exp_avg = p.exp_avg;
     b.exp_avg_sq = p.exp_avg_sq;
     const bool bf16 = p.weight_dtype == DType::bfloat16;
-    // bf16 weights go back up from the landing buffer, written by the kernel as it updates.
-    b.param_bf16 = bf16 ? static_cast<std::uint16_t*>(p.grad) : nullptr;
+    // bf16 weights go back up from the landing buffer, written by the kernel as it updates (or
+    // stay in their host buffer, when kept there).
+    b.param_bf16 = bf16 ? (p.keeps_weights_ ? p.host_bf16 : static_cast<std::uint16_t*>(p.grad)) : nullptr;
     b.numel = p.numel;
     // fp32 weights: the master buffer receives the update term, and the device applies it.
     b.term_only = fp32_term;
@@ -392,7 +411,8 @@ void OffloadPipeline::finish(Task& task) {
   if (task.buffers.term_only) {
     transfer_->upload_update(*p.slot_, static_cast<float*>(device), p.master, p.numel, task.coeffs.decay);
   } else {
-    const void* bf16 = task.job.commit ? static_cast<const void*>(p.next_bf16) : p.grad;
+    const void* bf16 = task.job.commit ? static_cast<const void*>(p.next_bf16)
+                       : p.keeps_weights_ ? static_cast<const void*>(p.host_bf16) : p.grad;
     const void* src = p.weight_dtype == DType::bfloat16 ? bf16 : static_cast<const void*>(p.master);
     transfer_->upload(*p.slot_, device, src, p.weight_bytes());
   }

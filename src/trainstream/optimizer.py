@@ -28,6 +28,7 @@ from trainstream.host_adamw import DTYPE_NAMES
 from trainstream.profiler import StepProfiler, measure_bandwidths
 from trainstream._native import _C
 from trainstream.resident import GradientNorms, ResidentAdamW
+from trainstream.streaming import WeightStreamer, shared_outside
 
 log = logging.getLogger("trainstream")
 
@@ -89,6 +90,7 @@ class _Slot:
     next_state: dict | None = None  # views of the next-state buffers a commit swaps with `state`
     peer: bool = False  # another rank updates it (DDP), or this rank's FSDP2 shard of it is empty
     sharded: bool = False  # an FSDP2 parameter: this rank holds and updates one shard of it
+    streamed: bool = False  # offloaded, with its weights in host memory between uses (trainstream.streaming)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -121,7 +123,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
                  track_grad_norm: bool, streams: tuple | None, activation_pager=None,
                  accumulate_in_vram: bool | None = None, placement: str | float = "offload",
                  vram_budget: int | None = None, threads: int = 0, isa: str | None = None,
-                 data_parallel=None, sharded=None) -> None:
+                 data_parallel=None, sharded=None, streamed: list[torch.nn.Module] | None = None,
+                 prefetch_depth: int = 1) -> None:
         super().__init__(source.param_groups, source.defaults)
         self.param_groups = source.param_groups  # the very same list: edits show on both sides
         self._pipeline = pipeline
@@ -175,13 +178,15 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self._speculation_on = True  # speculative_clipping
         self._last_unclipped = True  # the last window's norm did not clip (or there was none): speculate
         self.speculation = {"params": 0, "host_bytes": 0, "hits": 0, "misses": 0, "waited": 0}
-        self._register(model)
+        self._streamer: WeightStreamer | None = None
+        self._prefetch_depth = prefetch_depth
+        self._register(model, streamed or [])
         self._sync_packing()
         if self._dp is not None:
             self._dp.attach(self)
 
     # ----------------------------------------------------------------------------- set-up
-    def _register(self, model: torch.nn.Module) -> None:
+    def _register(self, model: torch.nn.Module, streamed: list[torch.nn.Module]) -> None:
         acc = self.accumulation_steps
         _forget_dead_owners()
         trainable, seen = [], set()
@@ -203,7 +208,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
             if not resident and not peer:
                 # registration order stands in for forward order (embeddings, layers, head)
                 host = self._pipeline.add_param(weight.numel(), DTYPE_NAMES[p.dtype], host_sums, i)
-                self._pipeline.load_weights(host, weight.data_ptr(), self._current_stream())
+                if weight.device == self._device:  # (else a streamed one in host memory: see _stream)
+                    self._pipeline.load_weights(host, weight.data_ptr(), self._current_stream())
             slot = _Slot(p, host, group, weight._version, i, peer=peer, sharded=self._shards is not None)
             slot.state = {"step": torch.tensor(0.0)}
             if resident:
@@ -227,15 +233,21 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self._install_gates()
         self._ensure_staging()
         self._pipeline.upload_terms = True
+        if streamed:
+            self._stream(streamed)
         if self._placement != "auto":
             self._enable_speculation()
         if self._placement == "auto":
-            self._profiler = StepProfiler(model, [s.param for s in self._order], self._device)
+            away = self._streamer.weight_bytes - self._streamer.window_bytes if self._streamer is not None else 0
+            self._profiler = StepProfiler(model, [s.param for s in self._order], self._device, away)
             self._stats_at_start = self._pipeline.stats()
         # A lambda, not a bound method: copy.deepcopy(model) copies the hooks, and would copy the
         # optimizer behind a bound method with them.
         self._hooks.append(model.register_forward_pre_hook(torch.compiler.disable(
             lambda module, args, kwargs: self._before_forward(args, kwargs)), prepend=True, with_kwargs=True))
+        # A forward without autograd has no backward to end its weight streaming.
+        self._hooks.append(model.register_forward_hook(
+            lambda module, args, output: self._after_forward(), always_call=True))
         # Reads and writes of the weights outside forward (saving, loading) see settled values.
         self._hooks.append(model.register_state_dict_pre_hook(lambda *_: self.synchronize()))
         self._hooks.append(model.register_load_state_dict_pre_hook(lambda *_: self.synchronize()))
@@ -247,6 +259,62 @@ class OffloadedAdamW(torch.optim.Optimizer):
         if slot.param.dtype == torch.bfloat16:  # the fp32 master is what bf16 training resumes from
             state["master_param"] = self._host_tensor(slot.host, "master", slot.weight)
         return state
+
+    def _stream(self, modules: list[torch.nn.Module]) -> None:
+        """Streams the weights of `modules` (blocks, in forward order) from now on: their
+        trainable parameters are offloaded, and the host engine's buffers hold their weights
+        (trainstream.streaming). Between steps."""
+        if self._streamer is None:
+            self._streamer = WeightStreamer(self._device, self._prefetch_depth)
+        self.synchronize()
+        stream = self._current_stream()
+        for module in modules:
+            hosts = []
+            for p in module.parameters():
+                s = self._slots.get(p)
+                if s is None or s.streamed:
+                    continue
+                if s.resident:
+                    self._move(s, False)
+                s.next_state = None  # (its updates wait for the norm from now on)
+                if p.device == self._device:  # (an fp32 master may hold a term)
+                    self._pipeline.load_weights(s.host, p.data_ptr(), stream)
+                else:  # still in host memory, where wrap() left it
+                    self._host_tensor(s.host, "master", p).copy_(p.detach().float())
+                self._pipeline.keep_weights_on_host(s.host)  # (bf16: 2 B a parameter more)
+                s.streamed = True
+                if s.host.has_accumulator:
+                    s.sum_in_vram = False
+                hosts.append(s.host)
+            self._streamer.add(module, self._streamed_host,
+                               lambda stream, hosts=hosts: self._pipeline.gate(hosts, stream) if hosts else None)
+        self.speculation["params"] = sum(self._speculates(s) for s in self._order)
+        self._build_gates()
+
+    def _streamed_host(self, p: torch.nn.Parameter) -> torch.Tensor | None:
+        """The host tensor that holds a streamed parameter's weights: the pipeline's (its fp32
+        master, or its bf16 copy, filled here), or None for a frozen one."""
+        s = self._slots.get(p)
+        if s is None or not s.streamed:
+            return None
+        host = torch.frombuffer(s.host.view("weights"), dtype=p.dtype).view(p.shape)
+        if p.dtype != torch.float32:
+            host.copy_(p.detach())
+        s.version = p._version
+        return host
+
+    def _refresh_streamed_masters(self) -> None:
+        """bf16 weights written behind our back (load_state_dict, an in-place edit) while they
+        sat in host memory: the fp32 master follows them, as _take does for weights on the device."""
+        for s in self._order:
+            if s.streamed and s.param.dtype != torch.float32 and s.param._version != s.version:
+                self._pipeline.wait([s.host])
+                self._host_tensor(s.host, "master", s.param).copy_(s.param.detach().float())
+                s.version = s.param._version
+
+    def _after_forward(self) -> None:
+        if self._streamer is not None and not torch.is_grad_enabled():
+            self._streamer.end_backward()
 
     def _layout_gates(self, wrapped_by_compile: bool) -> None:
         """Where the forward gates are. A forward pre-hook on each module that owns a trainable
@@ -285,16 +353,17 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self._gated = {}
         for unit in self._gate_units:
             inside = unit.parameters() if _compiled(unit) else unit.parameters(recurse=False)
-            own = [self._slots[p].host for p in inside if p in self._slots and self._slots[p].offloaded]
+            own = [self._slots[p].host for p in inside
+                   if p in self._slots and self._slots[p].offloaded and not self._slots[p].streamed]
             if own:
                 self._gated[unit] = own
-        self._hosts = [s.host for s in self._order if s.offloaded]
+        self._hosts = [s.host for s in self._order if s.offloaded and not s.streamed]
 
     def _speculates(self, slot: _Slot) -> bool:
         """Whether this slot's update may start before the global norm is known: it has next-state
         buffers, and the update reads a gradient the device measured (not a host sum), and
         writes no state without a twin (fp32 masters are state when update terms are off)."""
-        return (slot.next_state is not None and slot.offloaded and not self._sums_on_host(slot)
+        return (slot.next_state is not None and slot.offloaded and not slot.streamed and not self._sums_on_host(slot)
                 and (slot.param.dtype == torch.bfloat16 or self._pipeline.upload_terms))
 
     def _enable_speculation(self) -> None:
@@ -306,7 +375,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         available = _C.host_memory_available()
         room = available - max(_SPECULATION_RESERVE, available // 10) if available else float("inf")
         for s in reversed(self._order):
-            if s.next_state is not None or not s.offloaded or self._sums_on_host(s):
+            if s.next_state is not None or not s.offloaded or s.streamed or self._sums_on_host(s):
                 continue
             need = self._pipeline.speculation_bytes(s.weight.numel(), DTYPE_NAMES[s.param.dtype])
             if need > room:
@@ -347,7 +416,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
             # next update reads it.
             self.synchronize()
             for s in self._order:
-                if s.offloaded and s.param.dtype == torch.float32:
+                if s.offloaded and not s.streamed and s.param.dtype == torch.float32:
                     self._pipeline.load_weights(s.host, s.weight.data_ptr(), self._current_stream())
         self._upload_terms = on
         self._pipeline.upload_terms = on
@@ -378,6 +447,11 @@ class OffloadedAdamW(torch.optim.Optimizer):
             wrappers = compiled_wrappers(self._model)
             for compiled in wrappers or [self._model]:  # (a wrapper's modules include the model's)
                 check_compile_mode(compiled)
+            if self._streamer is not None and (wrappers or any(_compiled(m) for m in self._model.modules())):
+                raise UnsupportedSetupError(
+                    "weight streaming runs in eager mode: torch.compile would trace the streamed weights' "
+                    "device tensors, whose memory comes and goes between blocks. Train this model uncompiled, "
+                    "or give it a VRAM budget its weights fit (Tuning(streamed_blocks=0) stops streaming)")
             self._layout_gates(wrapped_by_compile=bool(wrappers))
         if torch.is_grad_enabled():
             if self._forwards == 0 and self._profiler is not None:
@@ -391,6 +465,9 @@ class OffloadedAdamW(torch.optim.Optimizer):
         # accumulation window, forwards after the first then make no native call per module.
         if self._gates_on and not self._gate_always and self._pipeline.settled(self._hosts):
             self._remove_gates()
+        if self._streamer is not None:
+            self._refresh_streamed_masters()
+            self._streamer.begin_forward()
 
     def _gate_hook(self, module: torch.nn.Module):
         # A module that has gated on a stream need not again until another update is queued: its
@@ -474,7 +551,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
                 self._measure_on_device(slot, grad)
             return
         weight = slot.weight
-        if weight._version != slot.version:  # the weights were changed behind our back
+        if weight._version != slot.version and not slot.streamed:  # the weights were changed behind our back
             self._pipeline.load_weights(slot.host, weight.data_ptr(), self._current_stream())
             slot.version = weight._version
         if slot.sum_in_vram and not last:
@@ -532,6 +609,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
         if torch._C._current_autograd_node() is None:
             self._backward_tasks.clear()
             self._micro += 1
+            if self._streamer is not None:
+                self._streamer.end_backward()
             if self._profiler is not None and self._profiler.recording:
                 self._profiler.end_backward()
 
@@ -545,7 +624,9 @@ class OffloadedAdamW(torch.optim.Optimizer):
         )
 
     def _update_args(self, slot: _Slot, grad_scale: float) -> dict:
-        return dict(update=True, device_weight=slot.weight.data_ptr(), **self._hyper(slot, grad_scale))
+        # (a streamed parameter's update writes its weights in host memory, where they stay)
+        device = 0 if slot.streamed else slot.weight.data_ptr()
+        return dict(update=True, device_weight=device, **self._hyper(slot, grad_scale))
 
     def _mark_updated(self, slot: _Slot) -> None:
         if slot.offloaded:
@@ -809,11 +890,14 @@ class OffloadedAdamW(torch.optim.Optimizer):
         elif not plan.fits:
             smallest = planner.smallest_plan(profile)
             floor = planner.peak_bytes(profile, smallest)
+            weights = planner.device_weight_bytes(profile, smallest.streamed)
             raise VramBudgetError(
                 f"the step cannot fit a VRAM budget of {budget / 1e9:.2f} GB: with every gradient and "
-                f"AdamW state offloaded and every block recomputed and paged, it still needs "
-                f"{floor / 1e9:.2f} GB (weights {profile.weight_bytes / 1e9:.2f} GB + activations and "
-                f"workspace {(floor - profile.weight_bytes) / 1e9:.2f} GB) + a reserve of "
+                f"AdamW state offloaded, every block recomputed and paged and "
+                f"{'every' if smallest.streamed == len(profile.blocks) else smallest.streamed} block's "
+                f"weights streamed, it still needs "
+                f"{floor / 1e9:.2f} GB (weights on the GPU {weights / 1e9:.2f} GB + activations and "
+                f"workspace {(floor - weights) / 1e9:.2f} GB) + a reserve of "
                 f"{planner.reserve_for(budget) / 1e9:.2f} GB for the estimate. Raise the budget, lower "
                 f"the batch or sequence length, or use bf16 weights.")
         self._profile = profile
@@ -831,9 +915,13 @@ class OffloadedAdamW(torch.optim.Optimizer):
         if deferred and pager.profile is not None:
             prof = pager.profile
             casts = figures.block_cast_bytes or [0] * len(pager.blocks)
-            blocks = [planner.BlockCost(b, i, t, c) for b, i, t, c in
-                      zip(prof.block_bytes, prof.block_input_bytes or [0] * len(prof.block_bytes),
-                          prof.block_seconds, casts)]
+            tied = shared_outside(pager.blocks, self._model)
+            blocks = [planner.BlockCost(b, i, t, c, weight_bytes=sum(p.numel() * p.element_size()
+                                                                     for p in pager.blocks[j].parameters()),
+                                        streamable=j not in tied)
+                      for j, (b, i, t, c) in enumerate(zip(prof.block_bytes,
+                                                           prof.block_input_bytes or [0] * len(prof.block_bytes),
+                                                           prof.block_seconds, casts))]
         if pager is not None and pager.blocks:
             for j, block in enumerate(pager.blocks):
                 for p in block.parameters():
@@ -865,7 +953,10 @@ class OffloadedAdamW(torch.optim.Optimizer):
             profiled_paged=pager._paged_upto if pager is not None else 0, profiled_hooks=pager is not None,
             outside_cast_bytes=figures.outside_cast_bytes if figures is not None else 0, hook_s=hook_s,
             weight_bytes=sum(p.numel() * p.element_size() for p in self._model.parameters()),
-            fixed_activations=not deferred)
+            fixed_activations=not deferred, streamed=self._streamed_count() if blocks else 0)
+
+    def _streamed_count(self) -> int:
+        return len(self._streamer.modules) if self._streamer is not None else 0
 
     def _owner(self, slot: _Slot) -> str:
         return f"rank {self._dp.owners[slot.index]}" if self._dp is not None else "other ranks (empty shard here)"
@@ -877,10 +968,15 @@ class OffloadedAdamW(torch.optim.Optimizer):
         """Moves every parameter to where `plan` puts it (between steps: nothing is in flight)."""
         self.synchronize()
         _ = self.last_grad_norm  # the window's norm, read where its parts were taken
+        pager = self.activation_pager
+        streamed = self._streamed_count()
+        if plan.streamed > streamed:  # (the profiled steps' streamed blocks stay streamed)
+            blocks = pager.blocks
+            self._stream(blocks[len(blocks) - plan.streamed:len(blocks) - streamed])
         for i, s in enumerate(self._order):
             if s.peer:  # (costs this rank nothing: see _build_profile)
                 continue
-            resident = i < plan.resident
+            resident = i < plan.resident and not s.streamed
             if resident != s.resident:
                 self._move(s, resident)
             if self._dp is not None:  # micro-batches are summed where DDP sums them
@@ -889,8 +985,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
             summable = not resident and self.accumulation_steps > 1 and s.param.dtype == torch.float32
             wanted = self._vram_sums if self._vram_sums is not None else i < plan.resident + plan.vram_sums
             # (without a host accumulator, the sums can only be in VRAM)
-            s.sum_in_vram = summable and (wanted or not s.host.has_accumulator)
-        pager = self.activation_pager
+            s.sum_in_vram = summable and (wanted or not s.host.has_accumulator) and not s.streamed
         if pager is not None and pager.deferred:
             if plan.hooks:
                 pager.apply(plan.paged, plan.recomputed, "placement planner")
@@ -955,6 +1050,9 @@ class OffloadedAdamW(torch.optim.Optimizer):
             state = "profiling the first steps with everything offloaded" if self._profiler else "fixed"
             lines.append(f"placement ({state}): {resident} of {len(self._order)} parameters keep gradient and "
                          f"AdamW state in VRAM, {offloaded} offloaded to host memory")
+        if self._streamer is not None and (self.plan is None or not self.plan.streamed):
+            lines.append(f"weights: {len(self._streamer.modules)} blocks' ({self._streamer.weight_bytes / 1e9:.2f} GB) "
+                         f"stream from host memory, one block ahead of their use")
         if self.max_grad_norm is not None and self.speculation["params"]:
             spec = self.speculation
             lines.append(f"clipping: {spec['params']} offloaded parameters start their update before the global norm "
@@ -1105,8 +1203,11 @@ class OffloadedAdamW(torch.optim.Optimizer):
             "resident_params": sum(s.resident for s in self._order),
             "offloaded_params": sum(s.offloaded for s in self._order),
             "vram_budget_bytes": self.vram_budget,
+            "streamed_blocks": len(self._streamer.modules) if self._streamer is not None else 0,
+            "streamed_weight_bytes": self._streamer.weight_bytes if self._streamer is not None else 0,
             "params": [{
-                "name": self._name(s), "numel": s.param.numel(), "weight": "vram",
+                "name": self._name(s), "numel": s.param.numel(),
+                "weight": "host (streamed)" if s.streamed else "vram",
                 "gradient": "vram" if s.resident else "host" if not s.peer else self._owner(s),
                 "state": "vram" if s.resident else "host" if not s.peer else self._owner(s),
                 "window_sum": None if self.accumulation_steps == 1 else
@@ -1143,3 +1244,5 @@ class OffloadedAdamW(torch.optim.Optimizer):
             self._dp.detach()
         if self.activation_pager is not None:
             self.activation_pager.remove()
+        if self._streamer is not None:
+            self._streamer.remove()

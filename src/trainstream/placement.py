@@ -12,7 +12,9 @@ saved:
 * sum an offloaded parameter's micro-batches on the host rather than in VRAM (accumulation),
 * turn the saved-tensor hooks on (autocast's copies of the weights recomputed in backward, an
   activation's repeated casts saved once), page the next leading block's activations to host
-  memory, or recompute a block in backward from its inputs.
+  memory, or recompute a block in backward from its inputs,
+* and, last, when nothing else is left: stream the weights of the last block not yet streamed
+  from host memory (trainstream.streaming), one block ahead of its use.
 
 Both sides are modelled from the profile: the peak from the profiled memory curve (the forward's
 peak and the peak before each gradient arrives) plus what each choice keeps, the step time from a
@@ -54,6 +56,8 @@ class BlockCost:
     input_bytes: int  # what recomputing it keeps: its inputs
     forward_s: float
     cast_bytes: int = 0  # autocast copies that the hooks recompute or save once; kept without hooks
+    weight_bytes: int = 0  # its weights (trainable or not), which streaming takes off the device
+    streamable: bool = True  # no weight of it is used outside it (tied weights stay)
 
 
 @dataclass
@@ -76,6 +80,7 @@ class Profile:
     hook_s: float = 0.0  # what the saved-tensor hooks cost a micro-batch
     weight_bytes: int = 0  # every weight in VRAM, trainable or not, for the figures
     fixed_activations: bool = False  # the activation choices are the user's: no moves on them
+    streamed: int = 0  # the last blocks whose weights the profiled steps streamed (they stay streamed)
 
 
 @dataclass
@@ -89,6 +94,7 @@ class Plan:
     hooks: bool = False
     paged: int = 0  # leading blocks paged (a recomputed one: its inputs)
     recomputed: tuple[int, ...] = ()
+    streamed: int = 0  # the last blocks whose weights stream from host memory
     budget: int | None = None
     reserve: int = 0
     expected_peak: int = 0
@@ -99,7 +105,7 @@ class Plan:
     observed_peak: int | None = None  # set once a planned step has run
 
     def key(self) -> tuple:
-        return self.resident, self.vram_sums, self.hooks, self.paged, self.recomputed
+        return self.resident, self.vram_sums, self.hooks, self.paged, self.recomputed, self.streamed
 
 
 # ---------------------------------------------------------------------------------- bytes
@@ -135,6 +141,40 @@ def held_bytes(profile: Profile, plan: Plan, j: int) -> int:
     return b.input_bytes if j in plan.recomputed else b.bytes
 
 
+def streamed_blocks(profile: Profile, count: int) -> range:
+    """The blocks that stream when `count` do: the last ones."""
+    n = len(profile.blocks)
+    return range(n - count, n)
+
+
+def streamable(profile: Profile) -> int:
+    """How many of the last blocks may stream (up to the last one holding a tied weight)."""
+    count = 0
+    for b in reversed(profile.blocks):
+        if not b.streamable:
+            break
+        count += 1
+    return count
+
+
+def streamed_weight_bytes(profile: Profile, count: int) -> int:
+    """VRAM the weights of the last `count` blocks hold when streamed: two blocks at a time (the
+    one in use and the next, prefetch depth 1) instead of all of them."""
+    sizes = [profile.blocks[j].weight_bytes for j in streamed_blocks(profile, count)]
+    return sum(sorted(sizes)[-2:])
+
+
+def device_weight_bytes(profile: Profile, streamed: int) -> int:
+    """VRAM the model's weights take at most when the last `streamed` blocks stream."""
+    away = sum(profile.blocks[j].weight_bytes for j in streamed_blocks(profile, streamed))
+    return profile.weight_bytes - away + streamed_weight_bytes(profile, streamed)
+
+
+def _streaming_delta(profile: Profile, plan: Plan) -> int:
+    """VRAM the plan's streaming takes or gives back against the profiled steps'."""
+    return device_weight_bytes(profile, plan.streamed) - device_weight_bytes(profile, profile.streamed)
+
+
 def peak_bytes(profile: Profile, plan: Plan) -> int:
     """The expected peak VRAM of a step under `plan`."""
     acc = profile.accumulation_steps
@@ -161,7 +201,7 @@ def peak_bytes(profile: Profile, plan: Plan) -> int:
         held = prefix[max(0, min(p.block, n))] + (outside if p.block >= n else 0)
         worst = max(worst, p.segment_peak + held + arrived)
         arrived += grads[i]
-    return state + always + worst
+    return state + always + worst + _streaming_delta(profile, plan)
 
 
 # ----------------------------------------------------------------------------------- time
@@ -184,6 +224,21 @@ def _exposed_paging_s(profile: Profile, plan: Plan) -> tuple[float, int]:
     return 2 * lag, paged_bytes  # the prefetch in backward is the same copy back
 
 
+def _exposed_streaming_s(profile: Profile, plan: Plan) -> float:
+    """Seconds of streamed weight copies that do not hide behind compute in a micro-batch: in
+    forward a block's copy runs beside the block before it, in backward beside the backward (and
+    recompute) of the block after it, about twice its forward."""
+    if not plan.streamed or profile.h2d_bytes_per_s <= 0:
+        return 0.0
+    exposed = 0.0
+    for j in streamed_blocks(profile, plan.streamed):
+        copy = profile.blocks[j].weight_bytes / profile.h2d_bytes_per_s
+        f = profile.blocks[j].forward_s
+        recomputed = f if plan.hooks and j in plan.recomputed else 0.0
+        exposed += max(0.0, copy - f) + max(0.0, copy - 2 * f - recomputed)
+    return exposed
+
+
 def step_seconds(profile: Profile, plan: Plan) -> tuple[float, dict]:
     """The expected time of one optimizer step (all its micro-batches) under `plan`, and what it
     is made of."""
@@ -192,8 +247,9 @@ def step_seconds(profile: Profile, plan: Plan) -> tuple[float, dict]:
     recompute = sum(profile.blocks[j].forward_s for j in plan.recomputed) if plan.hooks else 0.0
     hooks = profile.hook_s if plan.hooks else 0.0
     paging, paged_bytes = _exposed_paging_s(profile, plan)
+    streaming = _exposed_streaming_s(profile, plan)
     backward = profile.backward_s + recompute
-    micro = profile.forward_s + backward + hooks + paging
+    micro = profile.forward_s + backward + hooks + paging + streaming
     offloaded = list(range(plan.resident, len(params)))
     link = min(profile.d2h_bytes_per_s, profile.h2d_bytes_per_s)
     host_sums = [i for i in offloaded if not _vram_sum(profile, plan, i)]
@@ -246,6 +302,7 @@ def step_seconds(profile: Profile, plan: Plan) -> tuple[float, dict]:
         "forward_backward_s": acc * (profile.forward_s + profile.backward_s),
         "recompute_s": acc * recompute,
         "paging_exposed_s": acc * paging,
+        "streaming_exposed_s": acc * streaming,
         "hooks_s": acc * hooks,
         "host_summing_s": summing,
         "norm_wait_s": update_start - backward,
@@ -294,6 +351,23 @@ def _candidates(profile: Profile, plan: Plan) -> list[tuple[str, Plan]]:
     return out
 
 
+def _last_tier(profile: Profile, plan: Plan) -> list[tuple[str, Plan]]:
+    """Streaming the next block's weights: taken only when no other move saves anything."""
+    now = device_weight_bytes(profile, plan.streamed)
+    for k in range(plan.streamed + 1, streamable(profile) + 1):
+        if device_weight_bytes(profile, k) < now:  # (the first blocks streamed are the ones in flight)
+            return [(f"stream {k - plan.streamed} more blocks' weights", replace(plan, streamed=k))]
+    return []
+
+
+def _first_streamed_param(profile: Profile, plan: Plan) -> int:
+    """How many parameters, the first in forward order, may be resident: those before the first
+    streamed block (a streamed block's parameters are offloaded)."""
+    streamed = streamed_blocks(profile, plan.streamed)
+    inside = [i for i, p in enumerate(profile.params) if p.block in streamed]
+    return min(inside, default=len(profile.params))
+
+
 def reserve_for(budget: int) -> int:
     """VRAM the planner leaves unplanned for the error of its estimate: 3% of the budget, and at
     least 256 MiB, but never more than a tenth of it."""
@@ -307,20 +381,24 @@ def plan_placement(profile: Profile, budget: int | None) -> Plan:
     reserve = reserve_for(budget) if budget is not None else 0
     limit = budget - reserve if budget is not None else float("inf")
     plan = Plan(resident=len(profile.params), hooks=profile.profiled_hooks and profile.fixed_activations,
-                paged=profile.profiled_paged if profile.fixed_activations else 0)
+                paged=profile.profiled_paged if profile.fixed_activations else 0, streamed=profile.streamed)
+    plan.resident = _first_streamed_param(profile, plan)
     peak = peak_bytes(profile, plan)
     seconds, _ = step_seconds(profile, plan)
     moves = []
     while peak > limit:
         best = None
-        for name, candidate in _candidates(profile, plan):
-            saved = peak - peak_bytes(profile, candidate)
-            if saved <= 0:
-                continue
-            cost, _ = step_seconds(profile, candidate)
-            rank = (max(cost - seconds, 0.0) / saved, cost)
-            if best is None or rank < best[0]:
-                best = (rank, name, candidate, saved, cost)
+        for tier in (_candidates, _last_tier):
+            for name, candidate in tier(profile, plan):
+                saved = peak - peak_bytes(profile, candidate)
+                if saved <= 0:
+                    continue
+                cost, _ = step_seconds(profile, candidate)
+                rank = (max(cost - seconds, 0.0) / saved, cost)
+                if best is None or rank < best[0]:
+                    best = (rank, name, candidate, saved, cost)
+            if best is not None:
+                break
         if best is None:
             break
         (per_byte, _), name, plan, saved, cost = best
@@ -336,8 +414,9 @@ def smallest_plan(profile: Profile) -> Plan:
     block recomputed and paged (as far as the activation choices are the planner's)."""
     n = len(profile.blocks)
     if profile.fixed_activations or not n:
-        return Plan(resident=0, hooks=profile.profiled_hooks, paged=profile.profiled_paged)
-    return Plan(resident=0, hooks=True, paged=n,
+        return Plan(resident=0, hooks=profile.profiled_hooks, paged=profile.profiled_paged,
+                    streamed=streamable(profile))
+    return Plan(resident=0, hooks=True, paged=n, streamed=streamable(profile),
                 recomputed=tuple(j for j, b in enumerate(profile.blocks) if b.bytes > b.input_bytes))
 
 
@@ -361,6 +440,10 @@ def describe(plan: Plan, profile: Profile, names: bool = False) -> str:
         counts = {k: kinds.count(k) for k in ("kept", "paged", "recomputed") if kinds.count(k)}
         lines.append(f"activations: {len(kinds)} blocks, " + ", ".join(f"{v} {k}" for k, v in counts.items())
                      + ("; autocast weight copies recast in backward" if plan.hooks else "; no saved-tensor hooks"))
+        if plan.streamed:
+            away = sum(profile.blocks[j].weight_bytes for j in streamed_blocks(profile, plan.streamed))
+            lines.append(f"weights: the last {plan.streamed} blocks' ({away / GB:.2f} GB) stream from host memory, "
+                         f"at most {streamed_weight_bytes(profile, plan.streamed) / GB:.2f} GB of them in VRAM at a time")
     if plan.budget is not None:
         lines.append(f"VRAM: expected peak {plan.expected_peak / GB:.2f} GB against a budget of "
                      f"{plan.budget / GB:.2f} GB ({plan.reserve / GB:.2f} GB of it kept in reserve)"

@@ -24,7 +24,8 @@ class StepProfiler:
     """Records one forward and its backward. `params` are the trainable parameters in forward
     (registration) order; `owners` maps each module to the indices of the parameters it owns."""
 
-    def __init__(self, model: torch.nn.Module, params: list[torch.nn.Parameter], device: torch.device) -> None:
+    def __init__(self, model: torch.nn.Module, params: list[torch.nn.Parameter], device: torch.device,
+                 streamed_away: int = 0) -> None:
         self.device = device
         self._cuda = device.type == "cuda"
         self._model = model
@@ -39,9 +40,10 @@ class StepProfiler:
         self._seen: list[bool] = [False] * self._count  # a gradient arrived in the profiled backward
         self._start = self._forward_end = self._backward_end = None
         self._inputs = None
-        # CPU mode measures no memory: every figure is the weights alone, so that a budget still
-        # means weights plus what the placement adds
+        # CPU mode measures no memory: every figure is the weights alone (less those streamed from
+        # host memory, `streamed_away`), so that a budget still means weights plus what the placement adds
         self._floor = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+        self._floor -= streamed_away
         self.forward_peak = self.tail_peak = 0
         self._segment = [self._floor] * self._count
 

@@ -48,6 +48,10 @@ class Tuning:
     pack_gradients: bool = True
     # fp32 weights: upload AdamW's update term for the GPU to apply, rather than a host master.
     upload_update_terms: bool = True
+    # Blocks whose weights live in host memory and come to the GPU only around their use (the last
+    # ones in forward order). None: as many as the VRAM budget needs, none when the weights fit
+    # (under placement "auto"; none otherwise); an integer: that many, from wrap() on.
+    streamed_blocks: int | None = None
 
     def __post_init__(self) -> None:
         placement = self.placement
@@ -57,6 +61,9 @@ class Tuning:
             raise ValueError(f"placement must be 'auto', 'offload', 'gpu' or a share in [0, 1], got {placement!r}")
         if self.accumulate_in_vram not in (None, True, False):
             raise TypeError(f"accumulate_in_vram must be True, False or None, got {self.accumulate_in_vram!r}")
+        if self.streamed_blocks is not None and (isinstance(self.streamed_blocks, bool)
+                                                 or not isinstance(self.streamed_blocks, int) or self.streamed_blocks < 0):
+            raise ValueError(f"streamed_blocks must be None or an integer >= 0, got {self.streamed_blocks!r}")
         for name in ("threads", "max_grad_bytes_in_flight", "prefetch_depth"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "prefetch_depth" else 0):

@@ -6,16 +6,21 @@ import torch
 
 from trainstream._native import _C, require_cuda_build
 from trainstream.activations import ActivationPager, parse_bytes
+from trainstream.activations.plan import find_blocks
 from trainstream.distributed import (DataParallel, Sharded, check_ddp, check_fsdp2, data_parallel_of, fsdp2_root,
                                      local_shard, partition)
 from trainstream.errors import (HostMemoryError, UnsupportedSetupError, VramBudgetError, check_compile_mode,
                                 check_not_distributed, check_optimizer, check_weight_dtype)
 from trainstream.optimizer import OffloadedAdamW, resident_at_start, wrapped_by
 from trainstream.placement import reserve_for
+from trainstream.streaming import shared_outside
 from trainstream.tuning import Tuning
 
 _GIB = 1 << 30
 FRAGMENTATION_MARGIN = 0.05  # of the usable VRAM, left out of the default budget
+# Weights above this share of the budget (less the planner's reserve) leave too little room for the
+# profiled steps' activations: the last blocks' weights stream from the first step on.
+PROFILE_WEIGHT_SHARE = 0.6
 
 
 def host_bytes_per_param(dtype: torch.dtype, host_accumulator: bool) -> int:
@@ -36,6 +41,7 @@ def wrap(
     activations: str | float = "auto",
     blocks: list[torch.nn.Module] | None = None,
     tuning: Tuning | None = None,
+    device: str | torch.device | None = None,
 ) -> tuple[torch.nn.Module, OffloadedAdamW]:
     """Train `model` within a VRAM budget: AdamW state, gradients and activations go where the
     placement planner puts them, and updates match torch.optim.AdamW wherever they run.
@@ -62,10 +68,14 @@ def wrap(
             the largest ModuleList of same-class modules, i.e. the transformer layers).
         tuning: how TrainStream runs (placement, host threads, ...): trainstream.Tuning, whose
             defaults suit most runs.
+        device: the GPU to train on, for a model still in host memory (one whose weights may
+            not fit the GPU): wrap() moves it there, except the blocks whose weights the budget
+            says to stream, which go straight to pinned host memory. None: where the model is.
 
     Returns:
         (model, optimizer): the same model with hooks attached, and the optimizer to step.
     """
+    target_device = device
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if isinstance(optimizer, OffloadedAdamW):
@@ -113,6 +123,16 @@ def wrap(
     if len(devices) != 1:
         raise UnsupportedSetupError(f"all trainable parameters must be on one device, found {sorted(map(str, devices))}")
     device = devices.pop()
+    on_host = False  # the model waits in host memory for wrap() to place it on `target`
+    if target_device is not None:
+        target = torch.device(target_device)
+        if device.type == "cpu" and target.type == "cuda":
+            if ddp is not None or sharded:
+                raise UnsupportedSetupError("under DDP or FSDP2 the model must be on its GPU before wrap()")
+            on_host, device = True, target
+        elif target.type != device.type or target.index not in (None, device.index):
+            raise ValueError(f"device={target} but the model is on {device}: pass device= only for a model "
+                             f"in host memory that wrap() should move to a GPU")
     for p in trainable:
         check_weight_dtype(names.get(p, "<not in model>"), p)
         if not p.is_contiguous():
@@ -127,9 +147,7 @@ def wrap(
     unique = list({id(p): p for p in trainable}.values())
     if sharded:
         _check_host_memory([local_shard(p) for p in unique], host_accumulator)
-    elif ddp is None:
-        _check_host_memory(unique[resident_at_start(placement, len(unique)):], host_accumulator)
-    else:
+    elif ddp is not None:
         owners = partition([p.numel() for p in unique], torch.distributed.get_world_size(ddp.process_group))
         rank = torch.distributed.get_rank(ddp.process_group)
         _check_host_memory([p for p, owner in zip(unique, owners) if owner == rank], host_accumulator)
@@ -141,8 +159,6 @@ def wrap(
         device = torch.device("cuda", index)
         if auto and budget is None:
             budget = default_vram_budget(device)
-    if auto and budget is not None:
-        _check_weights_fit(model, budget)
     # under "auto" the budget is the planner's, which decides the activations too
     paging, share, pager_budget = _activation_policy(activations, None if auto else budget, device,
                                                      planned=auto and budget is not None)
@@ -161,6 +177,15 @@ def wrap(
     if paging:
         pager = ActivationPager(model, device=device, share=share, vram_budget=pager_budget, blocks=blocks,
                                 prefetch_depth=tuning.prefetch_depth, recompute=tuning.recompute, deferred=auto)
+    stream_from = pager.blocks if pager is not None else blocks
+    if auto and budget is not None and tuning.streamed_blocks is None:
+        streamed = _streamed_to_fit(model, stream_from or [] if ddp is None else [], budget)
+    else:
+        streamed = _streamed_blocks(model, tuning.streamed_blocks, stream_from, ddp is not None or sharded)
+    if ddp is None and not sharded:  # (before the optimizer pins any of it)
+        _check_host_memory(unique[resident_at_start(placement, len(unique)):], host_accumulator, streamed)
+    if on_host:
+        _place(model, device, streamed)
     data_parallel = DataParallel(ddp, owners) if ddp is not None else None
     wrapped = OffloadedAdamW(
         optimizer, model, pipeline, device=device, max_grad_norm=max_grad_norm,
@@ -168,6 +193,7 @@ def wrap(
         activation_pager=pager, accumulate_in_vram=accumulate_in_vram, placement=placement,
         vram_budget=budget if auto else None, threads=tuning.threads, isa=tuning.isa,
         data_parallel=data_parallel, sharded=Sharded(trainable) if sharded else None,
+        streamed=streamed, prefetch_depth=tuning.prefetch_depth,
     )
     wrapped.speculative_clipping = tuning.speculative_clipping
     wrapped.pack_gradients = tuning.pack_gradients
@@ -178,6 +204,41 @@ def wrap(
     for p in trainable:
         p.grad = None
     return model, wrapped
+
+
+def _place(model: torch.nn.Module, device: torch.device, streamed: list[torch.nn.Module]) -> None:
+    """Moves a model in host memory to `device`, except the parameters of the blocks that stream
+    (the optimizer takes those into pinned memory). One tensor at a time: no second copy of the
+    model is ever whole."""
+    away = {id(p) for block in streamed for p in block.parameters()}
+    with torch.no_grad():
+        for module in model.modules():
+            for name, p in module._parameters.items():
+                if p is not None and id(p) not in away and p.device != device:
+                    p.data = p.data.to(device)
+            for name, b in module._buffers.items():
+                if b is not None and b.device != device:
+                    module._buffers[name] = b.to(device)
+
+
+def _streamed_blocks(model: torch.nn.Module, count: int | None, blocks: list[torch.nn.Module] | None,
+                     distributed: bool) -> list[torch.nn.Module]:
+    """The blocks whose weights stream from wrap() on: the last `count` of the model's blocks."""
+    if not count:
+        return []
+    if distributed:
+        raise UnsupportedSetupError("weight streaming (Tuning(streamed_blocks=...)) is not supported under DDP or FSDP2")
+    if blocks is None:
+        _, blocks = find_blocks(model)
+    if count > len(blocks):
+        raise ValueError(f"Tuning(streamed_blocks={count}): the model has {len(blocks)} blocks to stream")
+    chosen = list(range(len(blocks) - count, len(blocks)))
+    tied = sorted(shared_outside(blocks, model) & set(chosen))
+    if tied:
+        raise UnsupportedSetupError(
+            f"block(s) {tied} hold weights that modules outside the block also use (tied weights): they cannot "
+            f"leave the GPU with their block. Stream fewer blocks (Tuning(streamed_blocks=...)) or untie them")
+    return [blocks[k] for k in chosen]
 
 
 def _is_sharded(model: torch.nn.Module) -> bool:
@@ -195,29 +256,59 @@ def default_vram_budget(device: torch.device) -> int:
     return int(usable * (1 - FRAGMENTATION_MARGIN))
 
 
-def _check_weights_fit(model: torch.nn.Module, budget: int) -> None:
+def _streamed_to_fit(model: torch.nn.Module, blocks: list[torch.nn.Module], budget: int) -> list[torch.nn.Module]:
+    """The blocks whose weights stream from the first step on: none when the weights leave the
+    activations room (PROFILE_WEIGHT_SHARE of the budget), else the fewest of the last blocks that
+    do (the planner may stream more after profiling, never fewer)."""
     weights = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
     reserve = reserve_for(budget)
-    if weights + reserve > budget:
+    room = PROFILE_WEIGHT_SHARE * (budget - reserve)
+    if weights <= room:
+        return []
+    tied = shared_outside(blocks, model)
+    n = len(blocks)
+    can = 0  # the last blocks that may stream: up to one holding a tied weight
+    while can < n and n - 1 - can not in tied:
+        can += 1
+    sizes = [sum(p.numel() * p.element_size() for p in b.parameters()) for b in blocks]
+    on_device = weights
+    for k in range(1, can + 1):
+        last = sizes[n - k:]
+        on_device = weights - sum(last) + sum(sorted(last)[-2:])  # two blocks at a time
+        if on_device <= room:
+            return blocks[n - k:]
+    if on_device + reserve > budget:
         raise VramBudgetError(
-            f"the model's weights alone take {weights / 1e9:.2f} GB of VRAM, and with the planner's "
-            f"reserve of {reserve / 1e9:.2f} GB that exceeds the budget of {budget / 1e9:.2f} GB "
-            f"before any activation or workspace; TrainStream does not stream weights from host "
-            f"memory yet. Raise the budget, use bf16 weights or a smaller model.")
+            f"the model's weights take {weights / 1e9:.2f} GB; with every block that can stream streamed from "
+            f"host memory, {on_device / 1e9:.2f} GB of them stay on the GPU, and with the planner's reserve of "
+            f"{reserve / 1e9:.2f} GB that exceeds the budget of {budget / 1e9:.2f} GB before any activation or "
+            f"workspace. Raise the budget, use bf16 weights or a smaller model.")
+    return blocks[n - can:]
 
 
-def _check_host_memory(params: list[torch.Tensor], host_accumulator: bool) -> None:
+def streamed_host_bytes(modules: list[torch.nn.Module]) -> int:
+    """Host bytes that streaming `modules` adds to their parameters' offloaded state: a bf16 copy
+    of trainable bf16 weights (fp32 ones stream from their master), frozen weights whole."""
+    params = {id(p): p for m in modules for p in m.parameters()}.values()
+    return sum(p.numel() * (2 if p.dtype == torch.bfloat16 else 0) if p.requires_grad
+               else p.numel() * p.element_size() for p in params)
+
+
+def _check_host_memory(params: list[torch.Tensor], host_accumulator: bool,
+                       streamed: list[torch.nn.Module] = ()) -> None:
     needed = sum(p.numel() * host_bytes_per_param(p.dtype, host_accumulator) for p in params)
+    weights = streamed_host_bytes(list(streamed))
     available = _C.host_memory_available()
-    if available and needed > available:
-        count = sum(p.numel() for p in params)
+    if available and needed + weights > available:
+        count = max(sum(p.numel() for p in params), 1)
         raise HostMemoryError(
-            f"TrainStream needs {needed / _GIB:.1f} GiB of host RAM for {count / 1e9:.2f}B trainable "
-            f"parameters ({needed / count:.0f} bytes each: fp32 master weights, two AdamW moments, "
-            f"a gradient buffer{', an fp32 accumulator' if host_accumulator else ''}), but only "
-            f"{available / _GIB:.1f} GiB is available. Free host memory, freeze some parameters, "
-            f"or use a machine with more RAM."
-        )
+            f"TrainStream needs {(needed + weights) / _GIB:.1f} GiB of host RAM: {needed / _GIB:.1f} GiB for "
+            f"{count / 1e9:.2f}B offloaded parameters ({needed / count:.0f} bytes each: fp32 master weights, "
+            f"two AdamW moments, a gradient buffer{', an fp32 accumulator' if host_accumulator else ''})"
+            + (f" and {weights / _GIB:.1f} GiB more for the weights of {len(streamed)} streamed blocks (bf16 "
+               f"copies of bf16 weights, frozen weights whole)" if weights else "")
+            + f", but only {available / _GIB:.1f} GiB is available. Free host memory, freeze some parameters, "
+            f"or use a machine with more RAM.")
 
 
 def _activation_policy(activations, budget, device: torch.device,

@@ -44,6 +44,10 @@ class HostParam {
   float* next_exp_avg_sq = nullptr;
   float* next_master = nullptr;
   std::uint16_t* next_bf16 = nullptr;
+  // Weights kept in host memory (OffloadPipeline::keep_weights_on_host): bf16 weights' rounding is
+  // written here by each update instead of into the landing buffer, where the next gradient would
+  // overwrite it. Null unless kept (fp32 weights need none: the master is the weights).
+  std::uint16_t* host_bf16 = nullptr;
   // Position in the forward pass (lower runs first): updates are done in this order when
   // several are ready, so the next forward can start while later layers still update.
   std::int64_t priority = 0;
@@ -52,6 +56,7 @@ class HostParam {
   // Whether this fp32 parameter's gradients are still tried as bf16 (see land_gradient), and
   // whether the last one that has been consumed crossed as bf16.
   bool packs_gradients() const { return packs_; }
+  bool keeps_weights_on_host() const { return keeps_weights_; }
   bool last_gradient_as_bf16() const { return sent_bf16_; }
 
  private:
@@ -60,6 +65,7 @@ class HostParam {
   std::uint32_t* inexact_ = nullptr;  // fp32 weights: Transfer::download_bf16_exact's verdict
   std::atomic<bool> packs_{false};
   std::atomic<bool> sent_bf16_{false};
+  bool keeps_weights_ = false;
   // What the landing buffer holds, as decided by the job that consumed its last download: later
   // jobs on it (the update queued at step() after a norm) read it the same way. Engine threads only.
   DType landing_dtype_ = DType::float32;
@@ -132,6 +138,14 @@ class OffloadPipeline {
   std::size_t enable_speculation(HostParam& p);
   // Host bytes enable_speculation takes for a parameter of this size and weight dtype.
   static std::size_t speculation_bytes(std::size_t numel, DType weight_dtype);
+
+  // Keeps the parameter's current weights in host memory from now on, in its weight dtype, for a
+  // caller that brings them to the device itself (weight streaming): fp32 weights in the master,
+  // which an update without device_weight rewrites whole even with upload_terms; bf16 weights in
+  // a buffer of their own from the arena, filled by the caller and rewritten by each update.
+  // Its updates no longer speculate (check_job refuses). Returns the host bytes it took (0 if it
+  // had them).
+  std::size_t keep_weights_on_host(HostParam& p);
 
   // Waits until the parameters' queued jobs have finished (on the host; nothing is ordered on the
   // device). Rethrows the first error a job raised.

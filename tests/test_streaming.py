@@ -1,0 +1,360 @@
+"""Weight streaming: blocks whose weights live in host memory train the same bits as blocks whose
+weights stay on the device, and come to the device only around their use.
+
+Every test runs in CPU mode (the same hooks, copies and storage juggling, with host memory standing
+in for VRAM); the `cuda` cases run the same checks on a GPU.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import replace
+
+import pytest
+import torch
+from torch import nn
+
+import trainstream
+from trainstream import placement as planner
+from trainstream.activations.plan import Plan
+from trainstream.errors import UnsupportedSetupError
+from trainstream.testing import TinyLM, param_groups
+
+GB = 10**9
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def train(base, device, *, streamed, dtype=torch.float32, acc=1, clip=None, steps=3, autocast=False,
+          setup=None, tuning=None, wrap_kwargs=None):
+    torch.manual_seed(1)
+    model = copy.deepcopy(base).to(device=device, dtype=dtype)
+    opt = torch.optim.AdamW(param_groups(model), lr=1e-2)
+    tuning = tuning or trainstream.Tuning(placement="offload", streamed_blocks=streamed)
+    model, opt = trainstream.wrap(model, opt, max_grad_norm=clip, accumulation_steps=acc, tuning=tuning,
+                                  **(wrap_kwargs or {}))
+    if setup is not None:
+        setup(model, opt)
+    losses = []
+    for _ in range(steps):
+        for _ in range(acc):
+            tokens = torch.randint(0, 97, (2, 17)).to(device)
+            with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
+                loss = model.loss(tokens)
+            loss.backward()
+            losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    opt.synchronize()
+    return model, opt, losses
+
+
+def assert_same_training(a, b):
+    (model_a, opt_a, losses_a), (model_b, opt_b, losses_b) = a, b
+    assert losses_a == losses_b
+    for (name, x), y in zip(model_a.state_dict().items(), model_b.state_dict().values()):
+        assert torch.equal(x.cpu(), y.cpu()), name
+    for x, y in zip(opt_a.state_dict()["state"].values(), opt_b.state_dict()["state"].values()):
+        for key in x:
+            assert torch.equal(x[key].cpu(), y[key].cpu()), key
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype, autocast", [(torch.float32, False), (torch.float32, True), (torch.bfloat16, False)])
+@pytest.mark.parametrize("acc, clip", [(1, None), (3, 1.0), (2, 1e-3)])
+def test_streamed_blocks_train_the_same_bits(device, dtype, autocast, acc, clip):
+    if autocast and device == "cpu" and dtype == torch.float32 and acc == 3:
+        pytest.skip("covered on the GPU; slow on CPU")
+    torch.manual_seed(0)
+    base = TinyLM(layers=4)
+    kept = train(base, device, streamed=0, dtype=dtype, acc=acc, clip=clip, autocast=autocast)
+    streamed = train(base, device, streamed=3, dtype=dtype, acc=acc, clip=clip, autocast=autocast)
+    assert_same_training(kept, streamed)
+    _, opt, _ = streamed
+    report = opt.report()["placement"]
+    assert report["streamed_blocks"] == 3
+    assert sum(p["weight"] == "host (streamed)" for p in report["params"]) == 3 * 7  # 7 parameters a block
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_only_the_prefetch_window_is_on_the_device(device):
+    torch.manual_seed(0)
+    base = TinyLM(layers=5)
+    seen = []
+
+    def watch(model, opt):
+        streamer = opt._streamer
+        block_bytes = streamer.weight_bytes // 4
+        for block in model.blocks:
+            block.register_forward_pre_hook(lambda *_: seen.append(streamer.resident_bytes() / block_bytes))
+        model.blocks[1].register_full_backward_hook(lambda *_: seen.append(streamer.resident_bytes() / block_bytes))
+
+    model, opt, _ = train(base, device, streamed=4, steps=2, setup=watch)
+    # at each block's start: it and the next one (prefetch depth 1); in backward: two at most
+    assert seen and max(seen) <= 2
+    streamer = opt._streamer
+    # between steps every streamed weight is in host memory, and the parameter holds it there
+    assert streamer.resident_bytes() == 0
+    for block in model.blocks[1:]:
+        for p in block.parameters():
+            assert p.device.type == "cpu"
+    # per micro-batch: 4 blocks forward, 3 again in backward (the last one stays)
+    assert streamer.copies == 2 * 7
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_recomputed_block_uses_one_copy_for_its_recompute_and_backward(device):
+    torch.manual_seed(0)
+    base = TinyLM(layers=4)
+
+    def recompute(model, opt):  # blocks 1 to 3 recomputed in backward
+        opt.activation_pager._apply_plan(Plan(0, 4, "test", recomputed=(1, 2, 3)))
+
+    kwargs = dict(wrap_kwargs={"activations": 1.0}, setup=recompute)
+    kept = train(base, device, streamed=0, **kwargs)
+    streamed = train(base, device, streamed=3, **kwargs)
+    assert_same_training(kept, streamed)
+    assert streamed[1]._streamer.copies == 3 * (3 + 2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_frozen_weights_in_a_streamed_block_stream_too(device):
+    torch.manual_seed(0)
+    base = TinyLM(layers=3)
+    for block in base.blocks:
+        block.norm1.weight.requires_grad_(False)
+        block.attn.out.weight.requires_grad_(False)
+    assert_same_training(train(base, device, streamed=0), train(base, device, streamed=2))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_checkpoints_interchange_with_a_resident_run(device):
+    torch.manual_seed(0)
+    base = TinyLM(layers=3)
+    kept_model, kept_opt, _ = train(base, device, streamed=0, dtype=torch.bfloat16, steps=2)
+    model_state, opt_state = copy.deepcopy(kept_model.state_dict()), copy.deepcopy(kept_opt.state_dict())
+
+    def resume(model, opt):
+        model.load_state_dict(model_state)
+        opt.load_state_dict(opt_state)
+
+    continued = train(base, device, streamed=0, dtype=torch.bfloat16, steps=2, setup=resume)
+    streamed = train(base, device, streamed=2, dtype=torch.bfloat16, steps=2, setup=resume)
+    assert_same_training(continued, streamed)
+    # and the other way: a streamed run's checkpoint loads into a resident model
+    model, opt, _ = streamed
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    fresh = copy.deepcopy(base).to(device=device, dtype=torch.bfloat16)
+    fresh.load_state_dict(saved)
+    for k, v in fresh.state_dict().items():
+        assert torch.equal(v.cpu(), saved[k].cpu()), k
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_forwards_without_backward_and_remove_hooks(device):
+    torch.manual_seed(0)
+    base = TinyLM(layers=3)
+    model, opt, _ = train(base, device, streamed=2, steps=1)
+    tokens = torch.randint(0, 97, (2, 17)).to(device)
+    with torch.no_grad():
+        evaluated = model.loss(tokens)
+    assert opt._streamer.resident_bytes() == 0
+    model.loss(tokens)  # with autograd, never backward: the next step still trains
+    loss = model.loss(tokens)
+    loss.backward()
+    opt.step()
+    opt.synchronize()
+    opt.remove_hooks()
+    for p in model.parameters():
+        assert p.device.type == device
+    with torch.no_grad():
+        again = model.loss(tokens)
+    assert torch.isfinite(evaluated) and torch.isfinite(again)
+
+
+def test_streaming_refuses_what_it_cannot_stream():
+    class TiedBlocks(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+            self.head = nn.Linear(8, 8)
+            self.head.weight = self.blocks[2].weight
+
+        def forward(self, x):
+            for b in self.blocks:
+                x = b(x)
+            return self.head(x)
+
+    model = TiedBlocks()
+    opt = torch.optim.AdamW(model.parameters())
+    with pytest.raises(UnsupportedSetupError, match="tied"):
+        trainstream.wrap(model, opt, tuning=trainstream.Tuning(placement="offload", streamed_blocks=1))
+    with pytest.raises(ValueError, match="has 3 blocks"):
+        trainstream.wrap(model, opt, tuning=trainstream.Tuning(placement="offload", streamed_blocks=4))
+    with pytest.raises(ValueError, match="streamed_blocks"):
+        trainstream.Tuning(streamed_blocks=-1)
+
+
+# ------------------------------------------------------------------------------ planning
+def made_up_profile(streamed: int = 0, blocks: int = 8):
+    """An embedding, `blocks` blocks of 100M bf16 weights (0.2 GB) with 1 GB of activations each,
+    a head; copies at 50 GB/s and 3 ms of forward a block."""
+    sizes = [("embed", 65_000_000, -1)]
+    for j in range(blocks):
+        sizes += [(f"blocks.{j}.{k}", 25_000_000, j) for k in ("qkv", "out", "up", "down")]
+    sizes += [("head", 65_000_000, blocks)]
+    n = len(sizes)
+    weights = sum(s for _, s, _ in sizes) * 2
+    block_bytes = 100_000_000 * 2
+    on_device = weights - streamed * block_bytes + min(streamed, 2) * block_bytes
+    params = [planner.ParamCost(name, numel, 2, block, need_s=0.025 * i / n, arrival_s=0.05 * (n - i) / n,
+                                segment_peak=on_device + 2 * GB) for i, (name, numel, block) in enumerate(sizes)]
+    costs = [planner.BlockCost(GB, GB // 20, 0.003, 0, weight_bytes=block_bytes) for _ in range(blocks)]
+    return planner.Profile(
+        params=params, blocks=costs, accumulation_steps=1, clipping=True, forward_s=0.025, backward_s=0.05,
+        forward_peak=on_device + 2 * GB, tail_peak=on_device, host_s_per_param=0.25e-9, d2h_bytes_per_s=50e9,
+        h2d_bytes_per_s=50e9, device_bytes_per_s=3e12, profiled_paged=blocks - 1, profiled_hooks=True,
+        weight_bytes=weights, streamed=streamed)
+
+
+
+def test_the_planner_streams_weights_only_when_nothing_else_is_left():
+    profile = made_up_profile()
+    leanest_unstreamed = planner.peak_bytes(profile, replace(planner.smallest_plan(profile), streamed=0))
+    roomy = planner.plan_placement(profile, leanest_unstreamed + GB)
+    assert roomy.fits and roomy.streamed == 0
+    tight = planner.plan_placement(profile, leanest_unstreamed)  # the reserve must come from streaming
+    assert tight.fits and tight.streamed > 0 and tight.resident == 0
+    streaming = [m for m in tight.moves if m.startswith("stream")]
+    assert streaming[0].startswith("stream 3 more blocks") and tight.moves[-len(streaming):] == streaming
+    # each streamed block takes its weights off the device beyond the two in flight
+    for k in range(1, 9):
+        delta = planner.peak_bytes(profile, replace(tight, streamed=k - 1)) - \
+            planner.peak_bytes(profile, replace(tight, streamed=k))
+        assert delta == (0 if k <= 2 else 200_000_000)
+    assert "stream from host memory" in planner.describe(tight, profile)
+    # copies of 4 ms against 3 ms of forward: 1 ms exposed a block in forward, none in backward
+    assert tight.step_terms["streaming_exposed_s"] == pytest.approx(tight.streamed * 1e-3)
+
+
+def test_blocks_streamed_in_the_profile_stay_streamed():
+    profile = made_up_profile(streamed=5)
+    plan = planner.plan_placement(profile, 200 * GB)
+    assert plan.streamed == 5
+    # its figures are the profiled ones: the same streaming adds nothing
+    assert plan.expected_peak == planner.peak_bytes(profile, plan)
+    assert planner.smallest_plan(profile).streamed == 8
+    assert planner.smallest_plan(replace(profile, blocks=[replace(b, streamable=j != 5)
+                                                                 for j, b in enumerate(profile.blocks)])).streamed == 2
+
+
+def test_weights_over_the_budget_stream_from_the_first_step():
+    torch.manual_seed(0)
+    base = TinyLM(layers=6)
+    weights = sum(p.numel() * p.element_size() for p in base.parameters())
+    tuning = trainstream.Tuning(placement="auto")
+    planned = train(base, "cpu", streamed=None, clip=1.0, steps=4, tuning=tuning,
+                    wrap_kwargs={"vram_budget": int(1.4 * weights)})
+    assert planned[1].report()["placement"]["streamed_blocks"] == 4  # (2 in flight of 4 streamed fit 60%)
+    assert planned[1].plan.streamed == 4
+    assert "stream from host memory" in planned[1].describe()
+    kept = train(base, "cpu", streamed=None, clip=1.0, steps=4, tuning=tuning,
+                 wrap_kwargs={"vram_budget": 10 * weights})
+    assert kept[1].report()["placement"]["streamed_blocks"] == 0
+    assert_same_training(kept, planned)
+    with pytest.raises(trainstream.VramBudgetError, match="stay on the GPU"):
+        train(base, "cpu", streamed=None, tuning=tuning, wrap_kwargs={"vram_budget": int(0.3 * weights)})
+
+
+def test_host_memory_for_streamed_weights_is_planned_before_pinning(monkeypatch):
+    from trainstream import _native
+    model = TinyLM(layers=3).to(torch.bfloat16)
+    numel = sum(p.numel() for p in model.parameters())
+    offloaded = numel * 14  # bf16 weights: fp32 master, two moments, a bf16 gradient buffer
+    streamed = 2 * sum(p.numel() for b in model.blocks[1:] for p in b.parameters())  # their bf16 copies
+    tuning = trainstream.Tuning(placement="offload", streamed_blocks=2)
+    monkeypatch.setattr(_native._C, "host_memory_available", lambda: offloaded + streamed - 1)
+    with pytest.raises(trainstream.HostMemoryError, match="2 streamed blocks"):
+        trainstream.wrap(model, torch.optim.AdamW(model.parameters()), tuning=tuning)
+    monkeypatch.setattr(_native._C, "host_memory_available", lambda: offloaded + streamed)
+    trainstream.wrap(model, torch.optim.AdamW(model.parameters()), tuning=tuning)
+
+
+def test_a_compiled_model_is_refused_with_streaming():
+    model = TinyLM(layers=3)
+    model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters()),
+                                  tuning=trainstream.Tuning(placement="offload", streamed_blocks=1))
+    compiled = torch.compile(model)
+    with pytest.raises(UnsupportedSetupError, match="eager mode"):
+        compiled(torch.randint(0, 97, (2, 16)))
+
+
+# ------------------------------------------------------------------------------------ GPU
+@pytest.mark.gpu
+def test_a_model_in_host_memory_is_placed_by_wrap():
+    torch.manual_seed(0)
+    base = TinyLM(layers=4)
+    on_gpu = train(base, "cuda", streamed=2)
+
+    def from_host(base_copy):
+        torch.manual_seed(1)
+        model = copy.deepcopy(base_copy)  # stays in host memory
+        opt = torch.optim.AdamW(param_groups(model), lr=1e-2)
+        return trainstream.wrap(model, opt, device="cuda",
+                                tuning=trainstream.Tuning(placement="offload", streamed_blocks=2))
+
+    model, opt = from_host(base)
+    assert all(p.device.type == "cuda" for p in model.blocks[:2].parameters())
+    assert all(p.device.type == "cpu" and p.is_pinned() for p in model.blocks[2:].parameters())
+    losses = []
+    for _ in range(3):
+        tokens = torch.randint(0, 97, (2, 17)).cuda()
+        loss = model.loss(tokens)
+        loss.backward()
+        losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    opt.synchronize()
+    assert_same_training(on_gpu, (model, opt, losses))
+
+
+@pytest.mark.gpu
+def test_streaming_frees_vram_and_a_long_run_stays_flat():
+    torch.manual_seed(0)
+    base = TinyLM(dim=512, layers=8, heads=8)
+    block_bytes = sum(p.numel() * 4 for p in base.blocks[0].parameters())
+
+    def peak_and_run(streamed, steps):
+        model, opt, _ = train(base, "cuda", streamed=0 if streamed is None else streamed, steps=2, clip=1.0)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        allocated, host = [], []
+        tokens = torch.randint(0, 97, (2, 17)).cuda()
+        for _ in range(steps):
+            model.loss(tokens).backward()
+            opt.step()
+            opt.zero_grad()
+            opt.synchronize()
+            allocated.append(torch.cuda.memory_allocated())
+            host.append(opt.report()["host_bytes_used"])
+        return torch.cuda.max_memory_allocated(), allocated, host
+
+    kept, _, _ = peak_and_run(0, 3)
+    streamed, allocated, host = peak_and_run(6, 100)
+    # six blocks' weights leave the device; two are in flight at a time
+    assert kept - streamed >= 0.9 * (6 - 2) * block_bytes
+    assert allocated[9] == allocated[-1] and host[9] == host[-1]
+
+
+@pytest.mark.gpu
+def test_weights_over_a_gpu_budget_stream_and_the_peak_holds():
+    torch.manual_seed(0)
+    base = TinyLM(dim=512, layers=8, heads=8)
+    weights = sum(p.numel() * 4 for p in base.parameters())
+    budget = int(1.6 * weights)
+    tuning = trainstream.Tuning(placement="auto")
+    planned = train(base, "cuda", streamed=None, clip=1.0, steps=5, tuning=tuning, wrap_kwargs={"vram_budget": budget})
+    plan = planned[1].plan
+    assert plan.streamed > 0 and plan.fits
+    assert planned[1].report()["placement"]["observed_peak_bytes"] <= budget
+    kept = train(base, "cuda", streamed=0, clip=1.0, steps=5)
+    assert_same_training(kept, planned)
