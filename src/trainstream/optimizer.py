@@ -36,7 +36,7 @@ _CLIP_EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_
 # fp32 update terms cross to VRAM through a staging buffer of at most this many floats (64 MiB),
 # a piece at a time for larger parameters.
 _STAGING_FLOATS = 16 << 20
-_PACK_S = 3e-6  # what one call of the saved-tensor hooks costs, for the planner's estimate
+_PACK_S = 30e-6  # what one call of the saved-tensor hooks costs the host, where it was not measured
 # Host memory speculation leaves free: this much, or a tenth of what is available if that is more.
 _SPECULATION_RESERVE = 4 << 30
 # id(parameter) -> (the parameter, its optimizer), both weakly: tensors compare by value, not by
@@ -944,7 +944,10 @@ class OffloadedAdamW(torch.optim.Optimizer):
         d2h, h2d, vram = self._bandwidths
         hook_s = 0.0
         if figures is not None:
-            hook_s = figures.packs * _PACK_S + 3 * figures.recast_bytes / vram
+            # the hooks' host time, as measured (the device's recasts come on top); an estimate
+            # where none was (the profiled step ran without them)
+            calls = figures.hook_seconds or figures.packs * _PACK_S
+            hook_s = calls + 3 * figures.recast_bytes / vram
         return planner.Profile(
             params=params, blocks=blocks, accumulation_steps=self.accumulation_steps,
             clipping=self.max_grad_norm is not None, forward_s=times["forward_s"], backward_s=times["backward_s"],

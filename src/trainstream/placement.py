@@ -404,9 +404,48 @@ def plan_placement(profile: Profile, budget: int | None) -> Plan:
         (per_byte, _), name, plan, saved, cost = best
         moves.append(f"{name}: -{saved / GB:.2f} GB, +{(cost - seconds) * 1e3:.1f} ms")
         peak, seconds = peak - saved, cost
+    if peak <= limit:
+        plan, peak, seconds = _give_back(profile, plan, limit, peak, seconds, moves)
     seconds, terms = step_seconds(profile, plan)
     return replace(plan, budget=budget, reserve=reserve, expected_peak=peak, expected_step_s=seconds,
                    step_terms=terms, fits=peak <= limit, moves=moves)
+
+
+def _give_back(profile: Profile, plan: Plan, limit: float, peak: int, seconds: float,
+               moves: list[str]) -> tuple[Plan, int, float]:
+    """Undoes savings the plan no longer needs: a large saving taken late (the saved-tensor hooks,
+    say) can leave room for smaller ones taken before it. While some undo still fits and makes
+    the step faster, the one that gains the most is taken."""
+    while True:
+        undo = []
+        if plan.resident < _first_streamed_param(profile, plan):
+            take = 1
+            while plan.resident + take < len(profile.params) and \
+                    sum(p.numel * p.element_size for p in profile.params[plan.resident:plan.resident + take]) \
+                    < STEP_FRACTION * sum(p.numel * p.element_size for p in profile.params):
+                take += 1
+            take = min(take, _first_streamed_param(profile, plan) - plan.resident)
+            sums = max(0, plan.vram_sums - take)
+            undo.append((f"keep {take} parameter(s) resident", replace(plan, resident=plan.resident + take, vram_sums=sums)))
+        for j in plan.recomputed:
+            undo.append((f"keep block {j}", replace(plan, recomputed=tuple(k for k in plan.recomputed if k != j))))
+        if plan.paged:
+            undo.append((f"keep block {plan.paged - 1} unpaged", replace(plan, paged=plan.paged - 1)))
+        best = None
+        for name, candidate in undo:
+            cost, _ = step_seconds(profile, candidate)
+            if cost >= seconds:
+                continue
+            candidate_peak = peak_bytes(profile, candidate)
+            if candidate_peak > limit:
+                continue
+            if best is None or cost < best[0]:
+                best = (cost, name, candidate, candidate_peak)
+        if best is None:
+            return plan, peak, seconds
+        cost, name, plan, candidate_peak = best
+        moves.append(f"{name}: +{(candidate_peak - peak) / GB:.2f} GB, {(cost - seconds) * 1e3:.1f} ms")
+        peak, seconds = candidate_peak, cost
 
 
 def smallest_plan(profile: Profile) -> Plan:

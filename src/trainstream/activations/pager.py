@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import time
 import warnings
 import weakref
 
@@ -235,9 +236,22 @@ class ActivationPager:
             self._backward_peak = None
         # Disabled for torch.compile too: autograd calls them from inside compiled code, where each
         # would otherwise be traced as a frame of its own.
-        self._hooks_ctx = torch.autograd.graph.saved_tensors_hooks(torch.compiler.disable(self._pack),
-                                                                   torch.compiler.disable(self._unpack))
+        pack, unpack = self._pack, self._unpack
+        if self._timing:  # the profiled step: what the hooks cost the host, for the placement planner
+            pack, unpack = self._clocked(pack, self._figures), self._clocked(unpack, self._figures)
+        self._hooks_ctx = torch.autograd.graph.saved_tensors_hooks(torch.compiler.disable(pack),
+                                                                   torch.compiler.disable(unpack))
         self._hooks_ctx.__enter__()
+
+    @staticmethod
+    def _clocked(hook, figures: StepFigures):
+        def timed(x):
+            start = time.perf_counter()
+            try:
+                return hook(x)
+            finally:
+                figures.hook_seconds += time.perf_counter() - start
+        return timed
 
     def _model_post(self, module, args, output):
         if self._hooks_ctx is None or _in_backward():

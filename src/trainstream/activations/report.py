@@ -13,6 +13,7 @@ class StepFigures:
     recast_bytes: int = 0
     shared_cast_bytes: int = 0  # repeated casts of one activation, saved as the first
     packs: int = 0  # tensors the hooks saw
+    hook_seconds: float = 0.0  # host time inside the hooks (pack and unpack), measured in the profiled step
     block_cast_bytes: list = field(default_factory=list)  # recast and shared casts, per block
     outside_cast_bytes: int = 0  # the same outside the blocks
     kept_bytes: int = 0  # activations that paging would move, left on the device
