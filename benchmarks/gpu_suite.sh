@@ -2,7 +2,7 @@
 # Build, test and benchmark on a CUDA machine in one go; logs and JSON land in $1 (default ./gpu-results).
 #   bash benchmarks/gpu_suite.sh [OUTDIR] [STAGES]
 # STAGES: comma list of build,tests,verify,adamw,step,placement,timeline,paging,large,sanitize,
-#         clipping,compile,hf
+#         clipping,compile,hf,streaming
 #         (default: build,tests,verify,adamw,step)
 set -uo pipefail
 out="${1:-gpu-results}"
@@ -94,6 +94,20 @@ if has large; then  # the largest models under a 24 GB VRAM cap (Llama 4096-wide
   python3 "$repo/benchmarks/train_step.py" --hidden 4096 --heads 32 --intermediate 11008 --layers 30 --batch 1 \
     --weights bf16 --vram-cap-gb 24 --vram-budget 23GB --steps 2 --warmup 2 --modes trainstream+paged,gpu-adamw \
     --json "$out/large_bf16_b1.json" 2>&1 | tail -9
+fi
+if has streaming; then  # weights that do not fit the GPU stream from host memory
+  big="--hidden 4096 --layers 30 --heads 32 --intermediate 11008 --batch 1 --seq 1024 --weights bf16 --clip 1.0"
+  # the 6.33B Llama under a 12 GB cap, built in host memory; DeepSpeed ZeRO-3 with parameters and
+  # optimizer offloaded in a process of its own (each holds ~100 GB of host memory)
+  for mode in trainstream deepspeed3; do
+    python3 "$repo/benchmarks/train_step.py" $big --vram-cap-gb 12 --host-model --steps 3 --warmup 3 --modes $mode \
+      --json "$out/stream_6b_12gb_$mode.json" 2>&1 | tail -4
+  done
+  # the price of streaming: the 0.95B model, weights resident against 4 and 8 of 16 blocks streamed
+  python3 "$repo/benchmarks/train_step.py" --steps 5 --warmup 3 --clip 1.0 --vram-budget 20GB \
+    --modes trainstream,trainstream+stream4,trainstream+stream8 --json "$out/stream_095.json" 2>&1 | tail -6
+  (cd /tmp && timeout 300 compute-sanitizer --tool memcheck python3 -m pytest "$repo/tests/test_streaming.py" -q -x \
+    -k "cuda and same_bits and 1-None" 2>&1) > "$out/sanitizer_memcheck_streaming.log"; grep -E "SUMMARY|passed|failed" "$out/sanitizer_memcheck_streaming.log" | tail -3
 fi
 if has sanitize; then
   # memcheck over real training steps (fp32 parity cases, one of them with the accumulate kernel,

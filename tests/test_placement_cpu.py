@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import io
 import logging
+from dataclasses import replace
 
 import pytest
 import torch
@@ -360,3 +361,19 @@ def test_bad_placements_are_refused():
         model, opt = make()
         with pytest.raises(ValueError, match="placement"):
             trainstream.wrap(model, opt, tuning=trainstream.Tuning(placement=bad))
+
+
+def test_recomputing_needs_no_saved_tensor_hooks_when_they_cost_more():
+    profile = made_up_profile()
+    costly = replace(profile, hook_s=0.040)  # the hooks' host time, as measured on a 1B model
+    full = planner.peak_bytes(costly, planner.Plan(resident=len(costly.params)))
+    plan = planner.plan_placement(costly, full - 3 * GB)
+    assert plan.fits and not plan.hooks and plan.recomputed
+    assert plan.step_terms["hooks_s"] == 0.0 and plan.step_terms["recompute_s"] > 0
+    # a recomputed block without hooks drops its autocast copies with its activations
+    one = planner.Plan(resident=len(costly.params), recomputed=(3,))
+    block = costly.blocks[3]
+    assert full - planner.peak_bytes(costly, one) == block.bytes + block.cast_bytes - block.input_bytes
+    assert "torch's checkpointing" in planner.describe(plan, costly)
+    # cheap hooks are still worth their recast copies
+    assert planner.plan_placement(replace(profile, hook_s=0.0005), full - 3 * GB).hooks

@@ -990,8 +990,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
             # (without a host accumulator, the sums can only be in VRAM)
             s.sum_in_vram = summable and (wanted or not s.host.has_accumulator) and not s.streamed
         if pager is not None and pager.deferred:
-            if plan.hooks:
-                pager.apply(plan.paged, plan.recomputed, "placement planner")
+            if plan.hooks or plan.recomputed:
+                pager.apply(plan.paged if plan.hooks else 0, plan.recomputed, "placement planner", hooks=plan.hooks)
             else:
                 pager.remove()
                 self.activation_pager = None
@@ -1221,7 +1221,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
             kinds = []
             for j in range(len(self._profile.blocks) if self._profile else 0):
                 kinds.append("paged" if plan.hooks and j < plan.paged else
-                             "recomputed" if plan.hooks and j in plan.recomputed else "kept")
+                             "recomputed" if j in plan.recomputed else "kept")
             out.update({
                 "blocks": kinds, "saved_tensor_hooks": plan.hooks,
                 "expected_peak_bytes": plan.expected_peak, "reserve_bytes": plan.reserve,

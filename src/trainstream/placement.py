@@ -134,11 +134,13 @@ def _vram_sum(profile: Profile, plan: Plan, i: int) -> bool:
 def held_bytes(profile: Profile, plan: Plan, j: int) -> int:
     """What block j keeps in VRAM from its forward to its backward under `plan`."""
     b = profile.blocks[j]
+    if j in plan.recomputed:  # (its autocast copies are recomputed with it, hooks or not)
+        return 0 if plan.hooks and j < plan.paged else b.input_bytes
     if not plan.hooks:
         return b.bytes + b.cast_bytes
     if j < plan.paged:
         return 0
-    return b.input_bytes if j in plan.recomputed else b.bytes
+    return b.bytes
 
 
 def streamed_blocks(profile: Profile, count: int) -> range:
@@ -244,7 +246,7 @@ def step_seconds(profile: Profile, plan: Plan) -> tuple[float, dict]:
     is made of."""
     acc = profile.accumulation_steps
     params = profile.params
-    recompute = sum(profile.blocks[j].forward_s for j in plan.recomputed) if plan.hooks else 0.0
+    recompute = sum(profile.blocks[j].forward_s for j in plan.recomputed)
     hooks = profile.hook_s if plan.hooks else 0.0
     paging, paged_bytes = _exposed_paging_s(profile, plan)
     streaming = _exposed_streaming_s(profile, plan)
@@ -343,11 +345,14 @@ def _candidates(profile: Profile, plan: Plan) -> list[tuple[str, Plan]]:
         out.append(("saved-tensor hooks on", hooked))
     if plan.paged < len(profile.blocks):
         out.append((f"page block {plan.paged}", replace(hooked, paged=plan.paged + 1)))
-    gain = [(j, b.bytes - b.input_bytes) for j, b in enumerate(profile.blocks)
-            if j not in plan.recomputed and j >= plan.paged and b.bytes > b.input_bytes]
+    # Recomputing a block needs no saved-tensor hooks of ours (it is torch's checkpointing): without
+    # them it also drops the block's autocast copies, as stock gradient checkpointing does.
+    gain = [(j, b.bytes + (0 if plan.hooks else b.cast_bytes) - b.input_bytes) for j, b in enumerate(profile.blocks)
+            if j not in plan.recomputed and (j >= plan.paged or not plan.hooks)]
+    gain = [(j, g) for j, g in gain if g > 0]
     if gain:
         j = min(gain, key=lambda jg: (profile.blocks[jg[0]].forward_s / jg[1], jg[0]))[0]
-        out.append((f"recompute block {j}", replace(hooked, recomputed=tuple(sorted(plan.recomputed + (j,))))))
+        out.append((f"recompute block {j}", replace(plan, recomputed=tuple(sorted(plan.recomputed + (j,))))))
     return out
 
 
@@ -474,11 +479,11 @@ def describe(plan: Plan, profile: Profile, names: bool = False) -> str:
         recomputed = set(plan.recomputed)
         kinds = []
         for j in range(len(profile.blocks)):
-            kinds.append("paged" if j < plan.paged and plan.hooks else "recomputed" if j in recomputed and plan.hooks
-                         else "kept")
+            kinds.append("paged" if j < plan.paged and plan.hooks else "recomputed" if j in recomputed else "kept")
         counts = {k: kinds.count(k) for k in ("kept", "paged", "recomputed") if kinds.count(k)}
         lines.append(f"activations: {len(kinds)} blocks, " + ", ".join(f"{v} {k}" for k, v in counts.items())
-                     + ("; autocast weight copies recast in backward" if plan.hooks else "; no saved-tensor hooks"))
+                     + ("; autocast weight copies recast in backward" if plan.hooks else
+                        "; no saved-tensor hooks" + (" (recomputing is torch's checkpointing)" if plan.recomputed else "")))
         if plan.streamed:
             away = sum(profile.blocks[j].weight_bytes for j in streamed_blocks(profile, plan.streamed))
             lines.append(f"weights: the last {plan.streamed} blocks' ({away / GB:.2f} GB) stream from host memory, "

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 import warnings
 import weakref
@@ -178,6 +179,7 @@ class ActivationPager:
         self._backward_peak: int | None = None  # peak VRAM read when the profiled backward ended
         self._warned_held = False
         self._warned_cache = False
+        self.saved_tensor_hooks = True  # False: only the recomputed blocks' checkpointing (apply())
         # called before the profiled forward (wrap(): wait for the weights), so that its block times
         # are compute, not waits for a host update that the next steps may overlap differently
         self.settle = None
@@ -239,8 +241,11 @@ class ActivationPager:
         pack, unpack = self._pack, self._unpack
         if self._timing:  # the profiled step: what the hooks cost the host, for the placement planner
             pack, unpack = self._clocked(pack, self._figures), self._clocked(unpack, self._figures)
-        self._hooks_ctx = torch.autograd.graph.saved_tensors_hooks(torch.compiler.disable(pack),
-                                                                   torch.compiler.disable(unpack))
+        if self.saved_tensor_hooks:
+            self._hooks_ctx = torch.autograd.graph.saved_tensors_hooks(torch.compiler.disable(pack),
+                                                                       torch.compiler.disable(unpack))
+        else:  # recomputed blocks only: the forward is ours (for their checkpointing), the saved tensors not
+            self._hooks_ctx = contextlib.nullcontext()
         self._hooks_ctx.__enter__()
 
     @staticmethod
@@ -349,8 +354,11 @@ class ActivationPager:
         if self._profiling and self._timed:
             self._finish_profile()
 
-    def apply(self, paged: int, recomputed: tuple[int, ...], reason: str) -> None:
-        """Pages blocks 0 .. paged-1 and recomputes `recomputed` from now on (the planner's choice)."""
+    def apply(self, paged: int, recomputed: tuple[int, ...], reason: str, hooks: bool = True) -> None:
+        """Pages blocks 0 .. paged-1 and recomputes `recomputed` from now on (the planner's choice).
+        Without `hooks`, nothing is paged and no saved tensor passes through a hook of ours: the
+        recomputed blocks are torch's checkpointing alone."""
+        self.saved_tensor_hooks = hooks
         n = len(self.blocks)
         self._apply_plan(Plan(paged_blocks=paged, pageable_blocks=n, reason=reason, recomputed=tuple(recomputed),
                               recompute_seconds=sum(self.profile.block_seconds[i] for i in recomputed)

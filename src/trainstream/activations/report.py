@@ -66,6 +66,9 @@ def describe(pager) -> str:
     """The report as a few readable lines."""
     r = pager.report()
     recomputed = f", {r['recomputed_blocks']} recomputed" if r["recomputed_blocks"] else ""
+    if not pager.saved_tensor_hooks:
+        return (f"activations over {r['blocks']}: {r['recomputed_blocks']} blocks recomputed in backward (torch's "
+                f"checkpointing, autocast copies included), the rest kept; no saved-tensor hooks ({r['decision']})")
     lines = [f"activation paging over {r['blocks']}: {r['paged_blocks']} paged{recomputed} ({r['decision']})",
              (f"  per step: {r['paged_bytes_per_step'] / GB:.2f} GB paged, "
               f"{r['recast_bytes_per_step'] / GB:.2f} GB of weight casts recomputed, "
