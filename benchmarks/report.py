@@ -38,6 +38,9 @@ LABELS = {
     "gpu-adamw+ckpt": "PyTorch + gradient checkpointing",
     "trainstream": "TrainStream",
     "trainstream+vramacc": "TrainStream, `accumulate_in_vram=True`",
+    "trainstream+stream4": "TrainStream, the last 4 blocks' weights streamed",
+    "trainstream+stream8": "TrainStream, the last 8 blocks' weights streamed",
+    "deepspeed3": "DeepSpeed ZeRO-3, parameters and optimizer offloaded",
     "trainstream+auto": 'TrainStream, activations="auto"',
     "trainstream+paged": "TrainStream, activations paged or recomputed (`+paged`)",
     "trainstream+ckpt": "TrainStream + gradient checkpointing (Hugging Face, non-reentrant)",
@@ -107,9 +110,12 @@ def label_of(record: dict, mode: str) -> str:
 
 
 # ------------------------------------------------------------------------------ tables
-def budget_sweep(results: Path) -> str:
+def budget_sweep(name: str):
+    return lambda results: sweep_table(load(results, name))
+
+
+def sweep_table(record: dict) -> str:
     """TrainStream with no option but clipping against the peers, one row per VRAM cap."""
-    record = load(results, "budget_sweep")
     peers = [("trainstream", "TrainStream"), ("gpu-adamw", "PyTorch, fused AdamW"),
              ("gpu-adamw+ckpt", "PyTorch + gradient checkpointing"), ("torchao", "torchao CPUOffloadOptimizer")]
     if any(r["mode"] == "deepspeed" for r in record["results"]):
@@ -199,7 +205,8 @@ def runs(name: str):
                          f"{r['step_s'] / base:.2f}x" if base else "-", gb(r.get("peak_vram_GB"))])
         params = next((r["params"] for r in record["results"] if r.get("params")), None)
         intro = f"{model_words(record['args'], params)}, accumulation {record['args']['acc']}."
-        table = markdown_table(["mode", "step", "vs GPU AdamW", "peak VRAM"], rows)
+        against = "vs GPU AdamW" if any(r["mode"] == "gpu-adamw" for r in done) else "vs the first"
+        table = markdown_table(["mode", "step", against, "peak VRAM"], rows)
         return "\n\n".join([intro, table, caption([("", record)])])
     return render
 
@@ -361,7 +368,9 @@ def recorded_table(name: str):
 
 
 TABLES = {
-    "budget_sweep": budget_sweep,
+    "budget_sweep": budget_sweep("budget_sweep"),
+    "budget_sweep_nohooks": budget_sweep("budget_sweep_nohooks"),
+    "stream_095": runs("stream_095"),
     "adamw_vs_torch": adamw_vs_torch,
     "engine_update_term": engine_update_term,
     "engine_threads": engine_threads,

@@ -377,3 +377,16 @@ def test_recomputing_needs_no_saved_tensor_hooks_when_they_cost_more():
     assert "torch's checkpointing" in planner.describe(plan, costly)
     # cheap hooks are still worth their recast copies
     assert planner.plan_placement(replace(profile, hook_s=0.0005), full - 3 * GB).hooks
+
+
+def test_the_profile_measures_the_hooks_host_time_less_their_paging():
+    model, opt = make()
+    weights = sum(p.numel() * 4 for p in model.parameters())
+    model, opt = trainstream.wrap(model, opt, max_grad_norm=1.0, vram_budget=10 * weights)
+    pager = opt.activation_pager
+    pager.min_bytes = 0  # (this model's activations are all smaller than what is worth a copy)
+    train(model, opt, batches(3, 1), 1.0)
+    figures = pager.last  # the profiled step's (the profile pages every block but the last)
+    assert 0 < figures.paging_seconds < figures.hook_seconds
+    recasts = opt._profile.hook_s - (figures.hook_seconds - figures.paging_seconds)
+    assert 0 <= recasts < 1e-3  # the device's recasts, estimated from their bytes

@@ -35,6 +35,10 @@ def train(base, device, *, streamed, dtype=torch.float32, acc=1, clip=None, step
                                   **(wrap_kwargs or {}))
     if setup is not None:
         setup(model, opt)
+    return model, opt, run_steps(model, opt, device, steps, acc, autocast)
+
+
+def run_steps(model, opt, device, steps, acc=1, autocast=False) -> list[float]:
     losses = []
     for _ in range(steps):
         for _ in range(acc):
@@ -46,7 +50,7 @@ def train(base, device, *, streamed, dtype=torch.float32, acc=1, clip=None, step
         opt.step()
         opt.zero_grad()
     opt.synchronize()
-    return model, opt, losses
+    return losses
 
 
 def assert_same_training(a, b):
@@ -306,16 +310,7 @@ def test_a_model_in_host_memory_is_placed_by_wrap():
     model, opt = from_host(base)
     assert all(p.device.type == "cuda" for p in model.blocks[:2].parameters())
     assert all(p.device.type == "cpu" and p.is_pinned() for p in model.blocks[2:].parameters())
-    losses = []
-    for _ in range(3):
-        tokens = torch.randint(0, 97, (2, 17)).cuda()
-        loss = model.loss(tokens)
-        loss.backward()
-        losses.append(loss.item())
-        opt.step()
-        opt.zero_grad()
-    opt.synchronize()
-    assert_same_training(on_gpu, (model, opt, losses))
+    assert_same_training(on_gpu, (model, opt, run_steps(model, opt, "cuda", 3)))
 
 
 @pytest.mark.gpu

@@ -944,9 +944,9 @@ class OffloadedAdamW(torch.optim.Optimizer):
         d2h, h2d, vram = self._bandwidths
         hook_s = 0.0
         if figures is not None:
-            # the hooks' host time, as measured (the device's recasts come on top); an estimate
-            # where none was (the profiled step ran without them)
-            calls = figures.hook_seconds or figures.packs * _PACK_S
+            # the hooks' host time as measured, less what paging took in it (the device's recasts
+            # come on top); an estimate where none was (the profiled step ran without them)
+            calls = figures.hook_seconds - figures.paging_seconds if figures.hook_seconds else figures.packs * _PACK_S
             hook_s = calls + 3 * figures.recast_bytes / vram
         return planner.Profile(
             params=params, blocks=blocks, accumulation_steps=self.accumulation_steps,

@@ -24,22 +24,9 @@ from __future__ import annotations
 
 import torch
 
+from trainstream.activations.pager import in_backward, tensors_in
+
 _AWAY, _COMING, _HERE = 0, 1, 2
-
-
-def _in_backward() -> bool:
-    return torch._C._current_graph_task_id() != -1
-
-
-def _tensors(obj):
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (tuple, list)):
-        for item in obj:
-            yield from _tensors(item)
-    elif isinstance(obj, dict):
-        for item in obj.values():
-            yield from _tensors(item)
 
 
 def shared_outside(blocks: list[torch.nn.Module], model: torch.nn.Module) -> set[int]:
@@ -209,15 +196,15 @@ class WeightStreamer:
         if not self._attached:
             self.begin_forward()  # the block is called on its own, outside the model's forward
         self._use(k)
-        if not _in_backward():  # (in backward: a recompute, whose block backward has fetched)
+        if not in_backward():  # (in backward: a recompute, whose block backward has fetched)
             for d in range(1, self.depth + 1):
                 self._fetch(k + d)
 
     def _after_block(self, k: int, output) -> None:
-        if _in_backward():
+        if in_backward():
             return
         if torch.is_grad_enabled():
-            outputs = [t for t in _tensors(output) if t.requires_grad]
+            outputs = [t for t in tensors_in(output) if t.requires_grad]
             for t in outputs:
                 t.register_hook(lambda grad: self._backward_reaches(k))
             if outputs and k == len(self._blocks) - 1:

@@ -75,16 +75,16 @@ class _Kept:
         self.tensor, self.block, self.generation = tensor, block, generation
 
 
-def _tensors(obj):
+def tensors_in(obj):
     """The tensors in nested tuples, lists and dicts."""
     if isinstance(obj, torch.Tensor):
         yield obj
     elif isinstance(obj, (tuple, list)):
         for item in obj:
-            yield from _tensors(item)
+            yield from tensors_in(item)
     elif isinstance(obj, dict):
         for item in obj.values():
-            yield from _tensors(item)
+            yield from tensors_in(item)
 
 
 def _updates_a_cache(kwargs) -> bool:
@@ -100,7 +100,7 @@ def _alive(seen: dict, key: int) -> bool:
     return ref is not None and ref() is not None
 
 
-def _in_backward() -> bool:
+def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
@@ -180,6 +180,7 @@ class ActivationPager:
         self._warned_held = False
         self._warned_cache = False
         self.saved_tensor_hooks = True  # False: only the recomputed blocks' checkpointing (apply())
+        self._lean = False  # this forward's kept tensors skip the bookkeeping (see _model_pre)
         # called before the profiled forward (wrap(): wait for the weights), so that its block times
         # are compute, not waits for a host update that the next steps may overlap differently
         self.settle = None
@@ -208,10 +209,10 @@ class ActivationPager:
         return torch.cuda.current_stream(self.device).cuda_stream if self._cuda else 0
 
     def _model_pre(self, module, args, kwargs):
-        if _in_backward() or self._hooks_ctx is not None or not torch.is_grad_enabled():
+        if in_backward() or self._hooks_ctx is not None or not torch.is_grad_enabled():
             return  # nothing is saved for backward under no_grad
         # the caller holds the model's inputs: paging them would free nothing
-        self._input_storages = {t.untyped_storage().data_ptr() for t in _tensors((args, kwargs))}
+        self._input_storages = {t.untyped_storage().data_ptr() for t in tensors_in((args, kwargs))}
         if self._profiling and self._timed:
             self._finish_profile()
         # the first forward runs cold (allocator, kernels' first launches): time the second, or
@@ -238,6 +239,9 @@ class ActivationPager:
             self._backward_peak = None
         # Disabled for torch.compile too: autograd calls them from inside compiled code, where each
         # would otherwise be traced as a frame of its own.
+        # With no block paged and no step measured, kept tensors go to autograd as they are: the
+        # hooks then only recast weight copies and save repeated casts once.
+        self._lean = self._paged_upto == 0 and not self._timing
         pack, unpack = self._pack, self._unpack
         if self._timing:  # the profiled step: what the hooks cost the host, for the placement planner
             pack, unpack = self._clocked(pack, self._figures), self._clocked(unpack, self._figures)
@@ -259,14 +263,15 @@ class ActivationPager:
         return timed
 
     def _model_post(self, module, args, output):
-        if self._hooks_ctx is None or _in_backward():
+        if self._hooks_ctx is None or in_backward():
             return
         self._hooks_ctx.__exit__(None, None, None)
         self._hooks_ctx = None
         self._current = None
         self._casts = {}
         self._count_held()
-        self.last = self._figures
+        if not self._lean:  # (a lean forward counts no bytes: the last full count stands)
+            self.last = self._figures
         self._timed = self._timing
 
     def _count_held(self) -> None:
@@ -288,7 +293,7 @@ class ActivationPager:
 
     def _block_pre(self, index: int):
         def hook(module, args, kwargs):
-            if self._hooks_ctx is None or _in_backward():
+            if self._hooks_ctx is None or in_backward():
                 return  # outside our forward, or a checkpoint recomputing in backward
             self._current = index
             # bound the bytes still on their way to the host: their device memory cannot be
@@ -311,7 +316,7 @@ class ActivationPager:
         """Bytes of the device storages in `inputs` not yet counted (parameters and the model's
         inputs excluded): what checkpointing the block would keep."""
         total = 0
-        for t in _tensors(inputs):
+        for t in tensors_in(inputs):
             storage = t.untyped_storage()
             key = storage.data_ptr()
             if t.device != self.device or _alive(self._inputs_seen, key) or self._is_static(key):
@@ -326,7 +331,7 @@ class ActivationPager:
         again (same inputs, same RNG state, same autocast state) and starts the prefetch of the
         paged blocks before it."""
         def run(*args, **kwargs):
-            if self._hooks_ctx is None or _in_backward():
+            if self._hooks_ctx is None or in_backward():
                 return forward(*args, **kwargs)
             if _updates_a_cache(kwargs):
                 self._warn_cache(index)
@@ -334,7 +339,7 @@ class ActivationPager:
             generation = self._generation
 
             def body(*inner_args, **inner_kwargs):
-                if _in_backward():
+                if in_backward():
                     self._start_block_backward(index, generation)
                 return forward(*inner_args, **inner_kwargs)
             return checkpoint(body, *args, use_reentrant=False, **kwargs)
@@ -383,7 +388,7 @@ class ActivationPager:
         self._replaced_forwards = {}
 
     def _block_post(self, module, args, output):
-        if self._hooks_ctx is None or _in_backward():
+        if self._hooks_ctx is None or in_backward():
             return
         if self._timing and self._current is not None:
             self._times.append((self._current, self._block_start, mark(self.device)))
@@ -421,6 +426,11 @@ class ActivationPager:
         block = self._current
         if block is None:
             return t
+        if self._lean:  # nothing paged, nothing measured: a kept tensor needs no wrapper
+            if cast is None:
+                return t
+            earlier = self._casts.setdefault(cast, t)
+            return t if earlier is t else earlier.detach().as_strided(t.size(), t.stride(), t.storage_offset())
         if cast is not None:
             earlier = self._casts.get(cast)
             if earlier is not None:
@@ -455,6 +465,7 @@ class ActivationPager:
                 self._figures.kept_bytes += nbytes
                 self._figures.block_bytes[block] += nbytes
             return _Kept(t, block, self._generation)
+        start = time.perf_counter() if self._timing else 0.0
         seen = self._by_storage.get(key)
         # the same storage if a tensor that holds it is still alive (else the address was reused)
         stored = seen[1]() if seen is not None and seen[0]() is not None else None
@@ -469,6 +480,8 @@ class ActivationPager:
             self._figures.paged_bytes += nbytes
             self._figures.block_bytes[block] += nbytes
         stored.unpacks_left += 1
+        if self._timing:
+            self._figures.paging_seconds += time.perf_counter() - start
         return _Packed(stored, t)
 
     def _unpack(self, packed):
@@ -485,6 +498,7 @@ class ActivationPager:
             with torch.no_grad():
                 return packed.view_of(packed.param.to(packed.dtype))
         stored = packed.stored
+        start = time.perf_counter() if self._timing else 0.0
         self._start_block_backward(stored.block, stored.generation)
         if stored.device is None:
             self.last.on_demand += 1
@@ -495,6 +509,8 @@ class ActivationPager:
         if stored.unpacks_left <= 0:
             stored.device = None  # autograd holds what it still needs
             stored.unpacks_left = 0
+        if self._timing:
+            self.last.paging_seconds += time.perf_counter() - start
         return packed.view_of(device.view(packed.dtype))
 
     def _fetch(self, stored: _Stored) -> None:
