@@ -80,6 +80,34 @@ def test_streamed_blocks_train_the_same_bits(device, dtype, autocast, acc, clip)
     assert sum(p["weight"] == "host (streamed)" for p in report["params"]) == 3 * 7  # 7 parameters a block
 
 
+@pytest.mark.parametrize("placement, in_vram", [("gpu", None), (0.5, None), ("offload", True)])
+def test_streaming_under_other_placements_trains_the_same_bits(placement, in_vram):
+    torch.manual_seed(0)
+    base = TinyLM(layers=4)
+    runs = [train(base, "cpu", streamed=None, acc=2, clip=1.0, tuning=trainstream.Tuning(
+        placement=placement, accumulate_in_vram=in_vram, streamed_blocks=n)) for n in (0, 3)]
+    assert_same_training(*runs)
+    assert runs[1][1].report()["placement"]["streamed_blocks"] == 3
+
+
+def test_an_early_step_and_a_new_wrap_after_remove_hooks():
+    torch.manual_seed(0)
+    base = TinyLM(layers=4)
+
+    def early(model, opt):  # one micro-batch of two, then step()
+        model.loss(torch.randint(0, 97, (2, 17))).backward()
+        opt.step()
+        opt.zero_grad()
+
+    kept, streamed = (train(base, "cpu", streamed=n, acc=2, clip=1.0, setup=early) for n in (0, 3))
+    assert_same_training(kept, streamed)
+    model, opt, _ = streamed
+    opt.remove_hooks()
+    opt = torch.optim.AdamW(param_groups(model), lr=1e-2)
+    model, opt = trainstream.wrap(model, opt, tuning=trainstream.Tuning(placement="offload", streamed_blocks=2))
+    assert len(run_steps(model, opt, "cpu", 2)) == 2
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_only_the_prefetch_window_is_on_the_device(device):
     torch.manual_seed(0)
@@ -104,6 +132,28 @@ def test_only_the_prefetch_window_is_on_the_device(device):
             assert p.device.type == "cpu"
     # per micro-batch: 4 blocks forward, 3 again in backward (the last one stays)
     assert streamer.copies == 2 * 7
+
+
+def test_blocks_streamed_later_join_in_forward_order():
+    torch.manual_seed(0)
+    base = TinyLM(layers=5)
+    seen = []
+
+    def more_later(model, opt):  # as the planner does after profiling: earlier blocks join the streamed ones
+        opt._stream([model.blocks[1], model.blocks[2]])
+        streamer = opt._streamer
+        assert streamer.modules == list(model.blocks[1:])
+        for block in model.blocks:
+            block.register_forward_pre_hook(lambda *_: seen.append(streamer.resident_bytes()))
+
+    kept = train(base, "cpu", streamed=0, steps=2)
+    streamed = train(base, "cpu", streamed=2, steps=2, setup=more_later)
+    assert_same_training(kept, streamed)
+    assert max(seen) <= 2 * block_bytes_of(base) and streamed[1]._streamer.copies == 2 * 7
+
+
+def block_bytes_of(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.blocks[0].parameters())
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -197,6 +247,17 @@ def test_streaming_refuses_what_it_cannot_stream():
         trainstream.wrap(model, opt, tuning=trainstream.Tuning(placement="offload", streamed_blocks=4))
     with pytest.raises(ValueError, match="streamed_blocks"):
         trainstream.Tuning(streamed_blocks=-1)
+    with pytest.raises(ValueError, match="pass device= only for a model in host memory"):
+        trainstream.wrap(model, opt, device="meta")
+
+
+def test_a_model_in_host_memory_without_a_gpu_is_refused_clearly(monkeypatch):
+    from trainstream import _native
+    monkeypatch.setattr(_native._C, "has_cuda", False)
+    model = TinyLM(layers=3)
+    with pytest.raises(_native.UnsupportedError, match="no CUDA support"):
+        trainstream.wrap(model, torch.optim.AdamW(model.parameters()), device="cuda")
+    assert all(p.device.type == "cpu" for p in model.parameters())  # left where it was
 
 
 # ------------------------------------------------------------------------------ planning

@@ -200,10 +200,11 @@ class OffloadedAdamW(torch.optim.Optimizer):
         # DDP, micro-batches are summed where DDP sums them, in VRAM)
         host_sums = acc > 1 and self._vram_sums is not True and self._dp is None
         owners = self._dp.owners if self._dp is not None else None
+        away = {id(p) for module in streamed for p in module.parameters()}  # offloaded, whatever the placement
         for i, (p, group) in enumerate(trainable):
             weight = local_shard(p) if self._shards is not None else p
             peer = owners is not None and owners[i] != self._dp.rank or weight.numel() == 0
-            resident = i < resident_count and not peer
+            resident = i < resident_count and not peer and id(p) not in away
             host = None
             if not resident and not peer:
                 # registration order stands in for forward order (embeddings, layers, head)
@@ -261,9 +262,9 @@ class OffloadedAdamW(torch.optim.Optimizer):
         return state
 
     def _stream(self, modules: list[torch.nn.Module]) -> None:
-        """Streams the weights of `modules` (blocks, in forward order) from now on: their
-        trainable parameters are offloaded, and the host engine's buffers hold their weights
-        (trainstream.streaming). Between steps."""
+        """Streams the weights of `modules` (blocks) from now on: their trainable parameters are
+        offloaded, and the host engine's buffers hold their weights (trainstream.streaming).
+        Between steps."""
         if self._streamer is None:
             self._streamer = WeightStreamer(self._device, self._prefetch_depth)
         self.synchronize()
@@ -286,7 +287,9 @@ class OffloadedAdamW(torch.optim.Optimizer):
                 if s.host.has_accumulator:
                     s.sum_in_vram = False
                 hosts.append(s.host)
-            self._streamer.add(module, self._streamed_host,
+            # forward order: where the model defines the block (its blocks are a ModuleList)
+            position = next(k for k, m in enumerate(self._model.modules()) if m is module)
+            self._streamer.add(module, position, self._streamed_host,
                                lambda stream, hosts=hosts: self._pipeline.gate(hosts, stream) if hosts else None)
         self.speculation["params"] = sum(self._speculates(s) for s in self._order)
         self._build_gates()

@@ -48,40 +48,41 @@ def shared_outside(blocks: list[torch.nn.Module], model: torch.nn.Module) -> set
 
 
 class _Block:
-    __slots__ = ("module", "params", "device", "host", "nbytes", "where", "event", "gate")
+    __slots__ = ("module", "position", "params", "device", "host", "nbytes", "where", "event", "gate")
 
-    def __init__(self, module, params, gate):
-        self.module, self.params, self.gate = module, params, gate
+    def __init__(self, module, position, params, gate):
+        self.module, self.position, self.params, self.gate = module, position, params, gate
         self.device, self.host, self.nbytes = [], [], []
         self.where = _AWAY
         self.event = None
 
 
 class WeightStreamer:
-    """Streams the weights of `blocks` (modules in forward order). `host_of(param)` gives the host
-    tensor that holds a parameter's weights (the pipeline's, already filled), or None for one to
-    be made here; `gate(block, stream)` waits for the block's queued updates and orders `stream`
-    after them. Built by the optimizer, which calls begin_forward() and end_backward()."""
+    """Streams the weights of the blocks add()ed to it. Built by the optimizer, which calls
+    begin_forward() and end_backward()."""
 
     def __init__(self, device: torch.device, depth: int = 1):
         self.device = device
         self.depth = depth
         self._cuda = device.type == "cuda"
         self._copy = torch.cuda.Stream(device) if self._cuda else None
-        self._blocks: list[_Block] = []
+        self._blocks: list[_Block] = []  # in forward order
+        self._index: dict[int, int] = {}  # id(module) -> its place in _blocks
         self._handles = []
         self._attached = False  # the parameters hold their device tensors (a forward is running)
         self.copies = 0  # block copies issued, for report()
         self.copied_bytes = 0
 
     # ----------------------------------------------------------------------- set-up
-    def add(self, module: torch.nn.Module, host_of, gate) -> None:
-        """Streams `module` from now on (between steps: no forward or backward is running). Blocks
-        are added in forward order."""
+    def add(self, module: torch.nn.Module, position: int, host_of, gate) -> None:
+        """Streams `module`, the model's block number `position`, from now on (between steps: no
+        forward or backward is running). `host_of(param)` gives the host tensor that holds a
+        parameter's weights (the pipeline's, already filled), or None for one to be made here;
+        `gate(stream)` waits for the block's queued updates and orders `stream` after them."""
         if self._attached:
             self.end_backward()
         params = list(dict.fromkeys(module.parameters()))
-        block = _Block(module, params, gate)
+        block = _Block(module, position, params, gate)
         for p in params:
             host = host_of(p)
             if host is None:
@@ -98,10 +99,11 @@ class WeightStreamer:
             block.nbytes.append(p.numel() * p.element_size())
             p.data = host
             device.untyped_storage().resize_(0)
-        k = len(self._blocks)
-        self._blocks.append(block)
-        self._handles.append(module.register_forward_pre_hook(lambda m, a: self._before_block(k)))
-        self._handles.append(module.register_forward_hook(lambda m, a, out: self._after_block(k, out)))
+        self._blocks = sorted(self._blocks + [block], key=lambda b: b.position)
+        self._index = {id(b.module): k for k, b in enumerate(self._blocks)}
+        self._handles.append(module.register_forward_pre_hook(lambda m, a: self._before_block(self._index[id(m)])))
+        self._handles.append(module.register_forward_hook(
+            lambda m, a, out: self._after_block(self._index[id(m)], out)))
 
     @property
     def modules(self) -> list[torch.nn.Module]:
@@ -113,7 +115,8 @@ class WeightStreamer:
 
     @property
     def window_bytes(self) -> int:
-        """The most streamed weight bytes on the device at a time: two blocks (depth 1)."""
+        """The most streamed weight bytes on the device at a time: the block in use and the
+        `depth` after it."""
         return sum(sorted(sum(b.nbytes) for b in self._blocks)[-(self.depth + 1):])
 
     def resident_bytes(self) -> int:
