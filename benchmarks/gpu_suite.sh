@@ -2,7 +2,7 @@
 # Build, test and benchmark on a CUDA machine in one go; logs and JSON land in $1 (default ./gpu-results).
 #   bash benchmarks/gpu_suite.sh [OUTDIR] [STAGES]
 # STAGES: comma list of build,tests,verify,adamw,step,placement,timeline,paging,large,sanitize,
-#         clipping,compile,hf,streaming
+#         clipping,compile,hf,streaming,distributed
 #         (default: build,tests,verify,adamw,step)
 set -uo pipefail
 out="${1:-gpu-results}"
@@ -108,6 +108,13 @@ if has streaming; then  # weights that do not fit the GPU stream from host memor
     --modes trainstream,trainstream+stream4,trainstream+stream8 --json "$out/stream_095.json" 2>&1 | tail -6
   (cd /tmp && timeout 300 compute-sanitizer --tool memcheck python3 -m pytest "$repo/tests/test_streaming.py" -q -x \
     -k "cuda and same_bits and 1-None" 2>&1) > "$out/sanitizer_memcheck_streaming.log"; grep -E "SUMMARY|passed|failed" "$out/sanitizer_memcheck_streaming.log" | tail -3
+fi
+if has distributed; then  # several GPUs: the NCCL tests with one rank per GPU, then the benchmark on 2 and 4
+  (cd /tmp && python3 -m pytest "$repo/tests/test_distributed.py" -q -k "every-gpu" 2>&1 | tail -3) | tee "$out/distributed_tests.log"
+  for n in 2 4; do
+    [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge $n ] || continue
+    python3 "$repo/benchmarks/distributed_step.py" --gpus $n --json "$out/distributed_${n}gpu.json" 2>&1 | tail -8
+  done
 fi
 if has sanitize; then
   # memcheck over real training steps (fp32 parity cases, one of them with the accumulate kernel,

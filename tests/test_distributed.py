@@ -45,6 +45,9 @@ SETUPS = [
     pytest.param(("cpu", "gloo", 2), id="cpu-gloo-2"),
     pytest.param(("cuda", "gloo", 2), id="cuda-gloo-2", marks=pytest.mark.gpu),
     pytest.param(("cuda", "nccl", 1), id="cuda-nccl-1", marks=pytest.mark.gpu),
+    # one rank on each GPU of the machine (world 0: as many as there are)
+    pytest.param(("cuda", "nccl", 0), id="cuda-nccl-every-gpu",
+                 marks=[pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")]),
 ]
 
 
@@ -100,8 +103,8 @@ def _full(value):
 
 
 def _start(rank: int, port: int, device: str, backend: str, world: int) -> None:
-    if device == "cuda":
-        torch.cuda.set_device(0)
+    if device == "cuda":  # NCCL ranks each on a GPU of their own; gloo ranks share the first
+        torch.cuda.set_device(rank if backend == "nccl" else 0)
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
 
 
@@ -113,6 +116,7 @@ def _free_port() -> int:
 
 def _spawn(fn, setup) -> list[dict]:
     device, backend, world = setup
+    world = world or torch.cuda.device_count()
     with mp.Manager() as manager:
         results = manager.dict()
         mp.spawn(fn, args=(_free_port(), results, device, backend, world), nprocs=world)
@@ -125,7 +129,7 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> None:
 
 # ------------------------------------------------------------------------------------- DDP
 def _ddp(device: str) -> DDP:
-    return DDP(_model(device), device_ids=[0] if device == "cuda" else None)
+    return DDP(_model(device), device_ids=[torch.cuda.current_device()] if device == "cuda" else None)
 
 
 def _ddp_rank(rank: int, port: int, results, device: str, backend: str, world: int) -> None:
@@ -202,7 +206,8 @@ def test_ddp_matches_stock_adamw(ddp_ranks, name, clip, acc, micro, quiet, tunin
 
 
 def test_ddp_ranks_own_disjoint_shares(ddp_ranks):
-    (_, _, world), ranks = ddp_ranks
+    _, ranks = ddp_ranks
+    world = len(ranks)
     name = CASES[0][0]
     total = sum(p.numel() for p in _model().parameters())
     shares = [r[name]["distributed"] for r in ranks]
@@ -341,7 +346,8 @@ def test_fsdp2_matches_stock_adamw(fsdp2_ranks, name, clip, acc, micro, quiet, t
 
 
 def test_fsdp2_ranks_update_their_own_shards(fsdp2_ranks):
-    (_, _, world), ranks = fsdp2_ranks
+    _, ranks = fsdp2_ranks
+    world = len(ranks)
     name = CASES[1][0]
     total = sum(p.numel() for p in _model().parameters())
     shares = [r[name]["distributed"] for r in ranks]
@@ -360,3 +366,28 @@ def test_fsdp2_checkpoints_resume(fsdp2_ranks, name):
     for rank in ranks:
         for a, b in zip(rank[name]["weights"], want):
             _close(a, b)
+
+
+def test_the_distributed_benchmark_runs_on_cpu_processes(tmp_path):
+    """benchmarks/distributed_step.py end to end on two CPU processes (gloo), a tiny model: every
+    mode that runs there gives a row with each rank's figures. (Its timings are not checked.)"""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "distributed_step.py"
+    out = tmp_path / "dist.json"
+    done = subprocess.run([sys.executable, str(script), "--device", "cpu", "--gpus", "2", "--hidden", "32",
+                           "--layers", "2", "--heads", "2", "--intermediate", "64", "--vocab", "128", "--batch", "2",
+                           "--seq", "16", "--steps", "1", "--warmup", "3", "--no-autocast", "--modes",
+                           "ddp-adamw,ddp-trainstream,fsdp2-trainstream", "--json", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = json.loads(out.read_text())["results"]
+    assert [r["mode"] for r in rows] == ["ddp-adamw", "ddp-trainstream", "fsdp2-trainstream"]
+    for r in rows:
+        assert r["step_s"] > 0 and len(r["ranks"]) == 2
+    # each TrainStream rank holds the state of its own share only
+    shares = [rank["owned_elements"] for rank in rows[1]["ranks"]]
+    assert sum(shares) == rows[1]["params"] and min(shares) > 0

@@ -22,7 +22,9 @@ shards, which FSDP2 all-gathers before the next forward. The global norm is one 
 ranks' squared norms.
 """
 
+import atexit
 import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -48,6 +50,19 @@ def data_parallel_of(model: torch.nn.Module):
     return model if isinstance(model, torch.nn.parallel.DistributedDataParallel) else None
 
 
+# The communication hook's Python callback runs on a thread of the process group's, which then frees
+# it, and freeing a Python function takes the GIL. A thread that asks for the GIL while the
+# interpreter finalizes is ended on the spot, and ending a C++ thread that way is std::terminate:
+# a run that trained correctly would abort at exit. So, at exit and before finalizing, the main
+# thread lets go of the GIL for a moment, long enough for the last step's callbacks to be freed.
+_EXIT_GRACE_S = 0.05
+_exit_grace_registered = False
+
+
+def _exit_grace() -> None:
+    time.sleep(_EXIT_GRACE_S)
+
+
 class DataParallel:
     """One rank's side of training a DDP model: who owns what, the communication hook, and the
     collectives step() and state_dict() run."""
@@ -59,6 +74,10 @@ class DataParallel:
         self.owners = owners  # per trainable parameter, in forward order (partition())
         self._optimizer = None  # detached by remove_hooks(): the hook then only all-reduces
         self._lock = threading.Lock()  # gloo may complete two buckets' futures on two threads
+        global _exit_grace_registered
+        if not _exit_grace_registered:
+            atexit.register(_exit_grace)
+            _exit_grace_registered = True
         try:
             ddp.register_comm_hook(self, _reduce_then_hand_over)
         except (RuntimeError, ValueError) as e:
@@ -83,9 +102,11 @@ class DataParallel:
 
     def broadcast(self, param: torch.Tensor, owner: int):
         """Queues the broadcast of `owner`'s copy of `param` to every rank (every rank queues the same
-        broadcasts in the same order); returns the work to wait for."""
-        return dist.broadcast(param.detach(), src=dist.get_global_rank(self.group, owner), group=self.group,
-                              async_op=True)
+        broadcasts in the same order); returns the work to wait for. Called under no_grad, on the
+        parameter itself: gloo drops a finished work on a thread of its own, and were the work's
+        tensor a temporary alias (param.detach()), freeing it there would need the GIL, which a
+        finalizing interpreter refuses by ending the thread (std::terminate at exit)."""
+        return dist.broadcast(param, src=dist.get_global_rank(self.group, owner), group=self.group, async_op=True)
 
     def gather_state(self, local: dict) -> dict:
         """A torch AdamW state dict whose "state" holds every rank's entries (indices are global:
