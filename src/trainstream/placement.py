@@ -315,15 +315,17 @@ def step_seconds(profile: Profile, plan: Plan) -> tuple[float, dict]:
 
 
 # -------------------------------------------------------------------------------- planner
-def _offload_step(profile: Profile, resident: int) -> int:
-    """How many of the last resident parameters the next offload move takes (at least one)."""
+def _offload_step(profile: Profile, resident: int, back: bool = True) -> int:
+    """How many parameters a residency move takes (at least one, up to STEP_FRACTION of the bytes):
+    the last resident ones (`back`: offloading), or the first offloaded ones (keeping them)."""
     params = profile.params
     total = sum(p.numel * p.element_size for p in params) or 1
     taken, k = 0, resident
-    while k > 0 and taken < STEP_FRACTION * total:
-        k -= 1
-        taken += params[k].numel * params[k].element_size
-    return resident - k
+    while (k > 0 if back else k < len(params)) and taken < STEP_FRACTION * total:
+        moved = k - 1 if back else k
+        taken += params[moved].numel * params[moved].element_size
+        k = moved if back else k + 1
+    return abs(resident - k)
 
 
 def _candidates(profile: Profile, plan: Plan) -> list[tuple[str, Plan]]:
@@ -424,12 +426,8 @@ def _give_back(profile: Profile, plan: Plan, limit: float, peak: int, seconds: f
     while True:
         undo = []
         if plan.resident < _first_streamed_param(profile, plan):
-            take = 1
-            while plan.resident + take < len(profile.params) and \
-                    sum(p.numel * p.element_size for p in profile.params[plan.resident:plan.resident + take]) \
-                    < STEP_FRACTION * sum(p.numel * p.element_size for p in profile.params):
-                take += 1
-            take = min(take, _first_streamed_param(profile, plan) - plan.resident)
+            take = min(_offload_step(profile, plan.resident, back=False),
+                       _first_streamed_param(profile, plan) - plan.resident)
             sums = max(0, plan.vram_sums - take)
             undo.append((f"keep {take} parameter(s) resident", replace(plan, resident=plan.resident + take, vram_sums=sums)))
         for j in plan.recomputed:

@@ -179,7 +179,7 @@ def wrap(
                                 prefetch_depth=tuning.prefetch_depth, recompute=tuning.recompute, deferred=auto)
     stream_from = pager.blocks if pager is not None else blocks
     if auto and budget is not None and tuning.streamed_blocks is None:
-        streamed = _streamed_to_fit(model, stream_from or [] if ddp is None else [], budget)
+        streamed = _streamed_to_fit(model, (stream_from or []) if ddp is None else [], budget)
     else:
         streamed = _streamed_blocks(model, tuning.streamed_blocks, stream_from, ddp is not None or sharded)
     if ddp is None and not sharded:  # (before the optimizer pins any of it)
@@ -213,7 +213,7 @@ def _place(model: torch.nn.Module, device: torch.device, streamed: list[torch.nn
     away = {id(p) for block in streamed for p in block.parameters()}
     with torch.no_grad():
         for module in model.modules():
-            for name, p in module._parameters.items():
+            for p in module._parameters.values():
                 if p is not None and id(p) not in away and p.device != device:
                     p.data = p.data.to(device)
             for name, b in module._buffers.items():
