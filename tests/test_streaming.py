@@ -416,3 +416,10 @@ def test_weights_over_a_gpu_budget_stream_and_the_peak_holds():
     assert planned[1].report()["placement"]["observed_peak_bytes"] <= budget
     kept = train(base, "cuda", streamed=0, clip=1.0, steps=5)
     assert_same_training(kept, planned)
+
+
+def test_the_streamed_window_follows_the_prefetch_depth():
+    deeper = replace(made_up_profile(), stream_depth=2)
+    assert planner.streamed_weight_bytes(deeper, 8) == 3 * 200_000_000
+    plan = planner.plan_placement(deeper, planner.peak_bytes(deeper, replace(planner.smallest_plan(deeper), streamed=0)))
+    assert [m for m in plan.moves if m.startswith("stream")][0].startswith("stream 4 more blocks")

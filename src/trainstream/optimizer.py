@@ -959,7 +959,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
             profiled_paged=pager._paged_upto if pager is not None else 0, profiled_hooks=pager is not None,
             outside_cast_bytes=figures.outside_cast_bytes if figures is not None else 0, hook_s=hook_s,
             weight_bytes=sum(p.numel() * p.element_size() for p in self._model.parameters()),
-            fixed_activations=not deferred, streamed=self._streamed_count() if blocks else 0)
+            fixed_activations=not deferred, streamed=self._streamed_count() if blocks else 0,
+            stream_depth=self._prefetch_depth)
 
     def _streamed_count(self) -> int:
         return len(self._streamer.modules) if self._streamer is not None else 0

@@ -81,6 +81,7 @@ class Profile:
     weight_bytes: int = 0  # every weight in VRAM, trainable or not, for the figures
     fixed_activations: bool = False  # the activation choices are the user's: no moves on them
     streamed: int = 0  # the last blocks whose weights the profiled steps streamed (they stay streamed)
+    stream_depth: int = 1  # streamed blocks fetched ahead of the one in use (Tuning.prefetch_depth)
 
 
 @dataclass
@@ -160,10 +161,10 @@ def streamable(profile: Profile) -> int:
 
 
 def streamed_weight_bytes(profile: Profile, count: int) -> int:
-    """VRAM the weights of the last `count` blocks hold when streamed: two blocks at a time (the
-    one in use and the next, prefetch depth 1) instead of all of them."""
+    """VRAM the weights of the last `count` blocks hold when streamed: the block in use and the
+    `stream_depth` fetched ahead of it, instead of all of them."""
     sizes = [profile.blocks[j].weight_bytes for j in streamed_blocks(profile, count)]
-    return sum(sorted(sizes)[-2:])
+    return sum(sorted(sizes)[-(profile.stream_depth + 1):])
 
 
 def device_weight_bytes(profile: Profile, streamed: int) -> int:

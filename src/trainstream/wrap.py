@@ -179,7 +179,7 @@ def wrap(
                                 prefetch_depth=tuning.prefetch_depth, recompute=tuning.recompute, deferred=auto)
     stream_from = pager.blocks if pager is not None else blocks
     if auto and budget is not None and tuning.streamed_blocks is None:
-        streamed = _streamed_to_fit(model, (stream_from or []) if ddp is None else [], budget)
+        streamed = _streamed_to_fit(model, (stream_from or []) if ddp is None else [], budget, tuning.prefetch_depth)
     else:
         streamed = _streamed_blocks(model, tuning.streamed_blocks, stream_from, ddp is not None or sharded)
     if ddp is None and not sharded:  # (before the optimizer pins any of it)
@@ -256,7 +256,8 @@ def default_vram_budget(device: torch.device) -> int:
     return int(usable * (1 - FRAGMENTATION_MARGIN))
 
 
-def _streamed_to_fit(model: torch.nn.Module, blocks: list[torch.nn.Module], budget: int) -> list[torch.nn.Module]:
+def _streamed_to_fit(model: torch.nn.Module, blocks: list[torch.nn.Module], budget: int,
+                     depth: int) -> list[torch.nn.Module]:
     """The blocks whose weights stream from the first step on: none when the weights leave the
     activations room (PROFILE_WEIGHT_SHARE of the budget), else the fewest of the last blocks that
     do (the planner may stream more after profiling, never fewer)."""
@@ -274,7 +275,7 @@ def _streamed_to_fit(model: torch.nn.Module, blocks: list[torch.nn.Module], budg
     on_device = weights
     for k in range(1, can + 1):
         last = sizes[n - k:]
-        on_device = weights - sum(last) + sum(sorted(last)[-2:])  # two blocks at a time
+        on_device = weights - sum(last) + sum(sorted(last)[-(depth + 1):])  # the block in use and those ahead
         if on_device <= room:
             return blocks[n - k:]
     if on_device + reserve > budget:
