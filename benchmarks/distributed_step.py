@@ -60,7 +60,7 @@ def build(mode: str, args, device: torch.device):
         fully_shard(model, mesh=mesh, **policy)
     if mode == "deepspeed":
         return (*train_step.deepspeed_engine(model, train_step.deepspeed_config(args, 2)), True)
-    if mode in ("ddp-adamw",):
+    if mode == "ddp-adamw":
         return model, torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=decay, fused=device.type == "cuda"), False
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=decay)  # (FSDP2's offload: on the host)
     if mode.endswith("trainstream"):

@@ -205,14 +205,19 @@ def test_ddp_matches_stock_adamw(ddp_ranks, name, clip, acc, micro, quiet, tunin
             assert torch.equal(a, b)  # every rank holds the very same weights
 
 
+def _shares(ranks: list[dict], name: str) -> list[dict]:
+    """Each rank's share in case `name`; between them they own every element of the model once."""
+    shares = [r[name]["distributed"] for r in ranks]
+    assert sum(s["owned_elements"] for s in shares) == sum(p.numel() for p in _model().parameters())
+    return shares
+
+
 def test_ddp_ranks_own_disjoint_shares(ddp_ranks):
     _, ranks = ddp_ranks
     world = len(ranks)
     name = CASES[0][0]
-    total = sum(p.numel() for p in _model().parameters())
-    shares = [r[name]["distributed"] for r in ranks]
+    shares = _shares(ranks, name)
     assert [s["rank"] for s in shares] == list(range(world)) and all(s["world_size"] == world for s in shares)
-    assert sum(s["owned_elements"] for s in shares) == total
     for r in ranks:  # host memory follows the share (about 16 bytes an element here), not the whole model
         assert r[name]["host_bytes"] <= 20 * r[name]["distributed"]["owned_elements"]
     assert f"DistributedDataParallel: rank 0 of {world} updates" in ranks[0][name]["describe"]
@@ -349,10 +354,8 @@ def test_fsdp2_ranks_update_their_own_shards(fsdp2_ranks):
     _, ranks = fsdp2_ranks
     world = len(ranks)
     name = CASES[1][0]
-    total = sum(p.numel() for p in _model().parameters())
-    shares = [r[name]["distributed"] for r in ranks]
+    shares = _shares(ranks, name)
     assert all(s["engine"] == "FSDP2" for s in shares)
-    assert sum(s["owned_elements"] for s in shares) == total
     assert all(r[name]["speculation"]["hits"] == STEPS for r in ranks)
     if world == 2:
         assert shares[1]["owned_params"] == shares[0]["owned_params"] - 2  # the one-row layer: empty shards

@@ -246,9 +246,6 @@ class OffloadedAdamW(torch.optim.Optimizer):
         # optimizer behind a bound method with them.
         self._hooks.append(model.register_forward_pre_hook(torch.compiler.disable(
             lambda module, args, kwargs: self._before_forward(args, kwargs)), prepend=True, with_kwargs=True))
-        # A forward without autograd has no backward to end its weight streaming.
-        self._hooks.append(model.register_forward_hook(
-            lambda module, args, output: self._after_forward(), always_call=True))
         # Reads and writes of the weights outside forward (saving, loading) see settled values.
         self._hooks.append(model.register_state_dict_pre_hook(lambda *_: self.synchronize()))
         self._hooks.append(model.register_load_state_dict_pre_hook(lambda *_: self.synchronize()))
@@ -267,6 +264,9 @@ class OffloadedAdamW(torch.optim.Optimizer):
         Between steps."""
         if self._streamer is None:
             self._streamer = WeightStreamer(self._device, self._prefetch_depth)
+            # A forward without autograd has no backward to end its streaming. (A lambda: see _register.)
+            self._hooks.append(self._model.register_forward_hook(
+                lambda module, args, output: self._after_forward(), always_call=True))
         self.synchronize()
         stream = self._current_stream()
         for module in modules:
@@ -316,7 +316,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
                 s.version = s.param._version
 
     def _after_forward(self) -> None:
-        if self._streamer is not None and not torch.is_grad_enabled():
+        if not torch.is_grad_enabled():
             self._streamer.end_backward()
 
     def _layout_gates(self, wrapped_by_compile: bool) -> None:

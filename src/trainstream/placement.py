@@ -150,27 +150,45 @@ def streamed_blocks(profile: Profile, count: int) -> range:
     return range(n - count, n)
 
 
-def streamable(profile: Profile) -> int:
-    """How many of the last blocks may stream (up to the last one holding a tied weight)."""
+def last_streamable(streamable: list[bool]) -> int:
+    """How many of the last blocks may stream: those after the last one that may not (it holds a
+    tied weight)."""
     count = 0
-    for b in reversed(profile.blocks):
-        if not b.streamable:
+    for ok in reversed(streamable):
+        if not ok:
             break
         count += 1
     return count
 
 
+def in_flight_bytes(block_bytes: list[int], depth: int) -> int:
+    """VRAM streamed blocks of these sizes hold at most: the block in use and the `depth` fetched
+    ahead of it, instead of all of them."""
+    return sum(sorted(block_bytes)[-(depth + 1):])
+
+
+def weights_on_device(weight_bytes: int, block_bytes: list[int], streamed: int, depth: int) -> int:
+    """VRAM a model's weights (`weight_bytes` in all, its blocks' `block_bytes`) take at most when
+    the last `streamed` blocks stream with prefetch depth `depth`."""
+    last = block_bytes[len(block_bytes) - streamed:] if streamed else []
+    return weight_bytes - sum(last) + in_flight_bytes(last, depth)
+
+
+def streamable(profile: Profile) -> int:
+    """How many of the last blocks may stream."""
+    return last_streamable([b.streamable for b in profile.blocks])
+
+
 def streamed_weight_bytes(profile: Profile, count: int) -> int:
-    """VRAM the weights of the last `count` blocks hold when streamed: the block in use and the
-    `stream_depth` fetched ahead of it, instead of all of them."""
-    sizes = [profile.blocks[j].weight_bytes for j in streamed_blocks(profile, count)]
-    return sum(sorted(sizes)[-(profile.stream_depth + 1):])
+    """VRAM the weights of the last `count` blocks hold when streamed."""
+    return in_flight_bytes([profile.blocks[j].weight_bytes for j in streamed_blocks(profile, count)],
+                           profile.stream_depth)
 
 
 def device_weight_bytes(profile: Profile, streamed: int) -> int:
     """VRAM the model's weights take at most when the last `streamed` blocks stream."""
-    away = sum(profile.blocks[j].weight_bytes for j in streamed_blocks(profile, streamed))
-    return profile.weight_bytes - away + streamed_weight_bytes(profile, streamed)
+    return weights_on_device(profile.weight_bytes, [b.weight_bytes for b in profile.blocks], streamed,
+                             profile.stream_depth)
 
 
 def _streaming_delta(profile: Profile, plan: Plan) -> int:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from trainstream.activations.pager import in_backward, tensors_in
+from trainstream.placement import in_flight_bytes
 
 _AWAY, _COMING, _HERE = 0, 1, 2
 
@@ -117,7 +118,7 @@ class WeightStreamer:
     def window_bytes(self) -> int:
         """The most streamed weight bytes on the device at a time: the block in use and the
         `depth` after it."""
-        return sum(sorted(sum(b.nbytes) for b in self._blocks)[-(self.depth + 1):])
+        return in_flight_bytes([sum(b.nbytes) for b in self._blocks], self.depth)
 
     def resident_bytes(self) -> int:
         """Streamed weights on the device now."""

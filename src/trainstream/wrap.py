@@ -12,7 +12,7 @@ from trainstream.distributed import (DataParallel, Sharded, check_ddp, check_fsd
 from trainstream.errors import (HostMemoryError, UnsupportedSetupError, VramBudgetError, check_compile_mode,
                                 check_not_distributed, check_optimizer, check_weight_dtype)
 from trainstream.optimizer import OffloadedAdamW, resident_at_start, wrapped_by
-from trainstream.placement import reserve_for
+from trainstream.placement import last_streamable, reserve_for, weights_on_device
 from trainstream.streaming import shared_outside
 from trainstream.tuning import Tuning
 
@@ -268,14 +268,11 @@ def _streamed_to_fit(model: torch.nn.Module, blocks: list[torch.nn.Module], budg
         return []
     tied = shared_outside(blocks, model)
     n = len(blocks)
-    can = 0  # the last blocks that may stream: up to one holding a tied weight
-    while can < n and n - 1 - can not in tied:
-        can += 1
+    can = last_streamable([k not in tied for k in range(n)])
     sizes = [sum(p.numel() * p.element_size() for p in b.parameters()) for b in blocks]
     on_device = weights
     for k in range(1, can + 1):
-        last = sizes[n - k:]
-        on_device = weights - sum(last) + sum(sorted(last)[-(depth + 1):])  # the block in use and those ahead
+        on_device = weights_on_device(weights, sizes, k, depth)
         if on_device <= room:
             return blocks[n - k:]
     if on_device + reserve > budget:
