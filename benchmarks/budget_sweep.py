@@ -39,6 +39,8 @@ def run(mode: str, args, cap_gb: float | None) -> dict:
                    "--vocab", str(args.vocab), "--batch", str(args.batch), "--seq", str(args.seq), "--json", out]
         if cap_gb is not None:
             command += ["--vram-cap-gb", str(cap_gb)]
+        if args.host_model:
+            command += ["--host-model"]
         done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode != 0 or not os.path.exists(out):
             result = {"mode": mode, "error": f"failed (exit {done.returncode}): {done.stderr[-400:]}"}
@@ -48,7 +50,8 @@ def run(mode: str, args, cap_gb: float | None) -> dict:
     report = result.pop("report", None)
     if report is not None:
         result["placement"] = summary(report["placement"])
-        result["plan"] = {k: report["placement"].get(k) for k in ("expected_step_s", "step_terms", "moves", "profile")}
+        result["plan"] = {k: report["placement"].get(k) for k in ("expected_step_s", "step_terms", "moves", "profile",
+                                                                  "blocks", "resident_params", "streamed_blocks")}
     result["cap_GB"] = cap_gb
     print(json.dumps({k: v for k, v in result.items() if k != "plan"}), flush=True)
     return result
@@ -59,8 +62,10 @@ def summary(placement: dict) -> str:
     blocks = placement.get("blocks") or []
     kinds = ", ".join(f"{blocks.count(k)} {k}" for k in ("paged", "recomputed") if blocks.count(k))
     host_sums = sum(p["window_sum"] == "host" for p in placement["params"])
+    streamed = placement.get("streamed_blocks")
     return (f"{placement['resident_params']}/{len(placement['params'])} params resident"
             + (f", {host_sums} summed on host" if host_sums else "") + (f", blocks: {kinds}" if kinds else "")
+            + (f", {streamed} blocks' weights streamed" if streamed else "")
             + (f", expected peak {placement['expected_peak_bytes'] / 1e9:.2f} GB" if "expected_peak_bytes" in placement else ""))
 
 
@@ -153,6 +158,8 @@ def main(argv=None) -> int:
     ap.add_argument("--autocast", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=4)
+    ap.add_argument("--host-model", action="store_true",
+                    help="TrainStream's model is built in host memory and placed by wrap() (caps its weights do not fit)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)
     args = ap.parse_args(argv)

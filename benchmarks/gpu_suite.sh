@@ -2,7 +2,7 @@
 # Build, test and benchmark on a CUDA machine in one go; logs and JSON land in $1 (default ./gpu-results).
 #   bash benchmarks/gpu_suite.sh [OUTDIR] [STAGES]
 # STAGES: comma list of build,tests,verify,adamw,step,placement,timeline,paging,large,sanitize,
-#         clipping,compile,hf,streaming,distributed
+#         clipping,compile,hf,streaming,stream_price,distributed
 #         (default: build,tests,verify,adamw,step)
 set -uo pipefail
 out="${1:-gpu-results}"
@@ -96,16 +96,27 @@ if has large; then  # the largest models under a 24 GB VRAM cap (Llama 4096-wide
     --json "$out/large_bf16_b1.json" 2>&1 | tail -9
 fi
 if has streaming; then  # weights that do not fit the GPU stream from host memory
-  big="--hidden 4096 --layers 30 --heads 32 --intermediate 11008 --batch 1 --seq 1024 --weights bf16 --clip 1.0"
-  # the 6.33B Llama under a 12 GB cap, built in host memory; DeepSpeed ZeRO-3 with parameters and
-  # optimizer offloaded in a process of its own (each holds ~100 GB of host memory)
-  for mode in trainstream deepspeed3; do
-    python3 "$repo/benchmarks/train_step.py" $big --vram-cap-gb 12 --host-model --steps 3 --warmup 3 --modes $mode \
-      --json "$out/stream_6b_12gb_$mode.json" 2>&1 | tail -4
+  big="--hidden 4096 --heads 32 --intermediate 11008 --batch 1 --seq 1024 --weights bf16 --clip 1.0 --host-model"
+  # the 6.33B Llama (30 layers) under a 12 GB cap against DeepSpeed ZeRO-3 with parameters and
+  # optimizer offloaded, then the 6.74B one (32 layers) under 24 GB: built in host memory, each
+  # in a process of its own with the host's memory sampled every 4 s beside it
+  for run in trainstream:30:12 deepspeed3:30:12 trainstream:32:24; do
+    IFS=: read -r mode layers cap <<< "$run"
+    name="stream_${layers}l_${cap}gb_$mode"
+    (while sleep 4; do echo "$(date +%s) $(free -m | awk 'NR==2{print "used_MB=" $3, "available_MB=" $7}')"; done) \
+      > "$out/host_memory_$name.log" & sampler=$!
+    timeout 300 python3 -u "$repo/benchmarks/train_step.py" $big --layers "$layers" --vram-cap-gb "$cap" \
+      --steps 3 --warmup 2 --modes "$mode" --json "$out/$name.json" > "$out/$name.log" 2>&1
+    echo "$name: exit $?, host memory used at most $(awk -F'used_MB=' '{split($2, a, " ")
+      if (a[1] + 0 > m) m = a[1] + 0} END {print m}' "$out/host_memory_$name.log") MB"
+    kill $sampler; tail -3 "$out/$name.log"
   done
-  # the price of streaming: the 0.95B model, weights resident against 4 and 8 of 16 blocks streamed
-  python3 "$repo/benchmarks/train_step.py" --steps 5 --warmup 3 --clip 1.0 --vram-budget 20GB \
-    --modes trainstream,trainstream+stream4,trainstream+stream8 --json "$out/stream_095.json" 2>&1 | tail -6
+  dmesg 2>/dev/null | grep -iE "killed process" | tail -2
+fi
+if has stream_price; then  # the price of streaming: the 0.95B model down to caps its weights do not fit
+  python3 "$repo/benchmarks/budget_sweep.py" --accs 1 --caps none,6,4.5,3.5 --peers "" --no-deepspeed --host-model \
+    --steps 4 --warmup 4 --json "$out/stream_price.json" 2>&1 | grep -A8 "^NVIDIA"
+  python3 "$repo/benchmarks/plan_accuracy.py" --vram-budget 20GB --json "$out/plan_accuracy_20gb.json" 2>&1 | tail -12
   (cd /tmp && timeout 300 compute-sanitizer --tool memcheck python3 -m pytest "$repo/tests/test_streaming.py" -q -x \
     -k "cuda and same_bits and 1-None" 2>&1) > "$out/sanitizer_memcheck_streaming.log"; grep -E "SUMMARY|passed|failed" "$out/sanitizer_memcheck_streaming.log" | tail -3
 fi

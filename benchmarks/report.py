@@ -149,6 +149,65 @@ def sweep_table(record: dict) -> str:
                         caption([("", record)])])
 
 
+def streaming_bound(plan: dict) -> dict:
+    """What a step cannot beat, from the plan's profile: the GPU's forward, backward and
+    recomputes, the host engine's updates of the offloaded parameters, and each streamed block's
+    weights crossing twice (forward, then backward) at the measured pinned bandwidth."""
+    profile = plan["profile"]
+    blocks = profile["blocks"]
+    recomputed = [j for j, kind in enumerate(plan["blocks"] or []) if kind == "recomputed"]
+    streamed = plan["streamed_blocks"] or 0
+    gpu = profile["forward_s"] + profile["backward_s"] + sum(blocks[j]["forward_s"] for j in recomputed)
+    host = profile["host_s_per_param"] * sum(p["numel"] for p in profile["params"][plan["resident_params"]:])
+    copies = 2 * sum(b["weight_bytes"] for b in blocks[len(blocks) - streamed:]) / profile["h2d_bytes_per_s"] \
+        if streamed else 0.0
+    return {"gpu_s": gpu, "host_s": host, "copies_s": copies, "bound_s": max(gpu, host, copies)}
+
+
+def stream_price(name: str):
+    """budget_sweep.py of TrainStream alone down to budgets its weights do not fit: each step
+    against the resident one and against its bound (streaming_bound)."""
+    def render(results: Path) -> str:
+        record = load(results, name)
+        ours = [r for r in record["results"] if r["mode"] == "trainstream" and r.get("step_s") is not None]
+        resident = [r for r in ours if not r["plan"]["streamed_blocks"]]
+        base = min(resident, key=lambda r: r["cap_GB"] or float("inf"))  # the tightest cap it fits without streaming
+        rows = []
+        for r in ours:
+            b = streaming_bound(r["plan"])
+            rows.append(["none" if r["cap_GB"] is None else f"{r['cap_GB']:g} GB", str(r["plan"]["streamed_blocks"]),
+                         f"{s(r['step_s'])}, {gb(r['peak_vram_GB'])}", f"{r['step_s'] / base['step_s']:.2f}x",
+                         s(b["gpu_s"]), s(b["host_s"]), s(b["copies_s"]), f"{r['step_s'] / b['bound_s']:.2f}x"])
+        params = ours[0]["params"]
+        where = "the uncapped run" if base["cap_GB"] is None else f"the {base['cap_GB']:g} GB run"
+        intro = (f"{model_words(record['args'], params)}, `max_grad_norm={record['args']['clip']}`; TrainStream "
+                 f"wrapped with `max_grad_norm` alone under each cap (`set_per_process_memory_fraction`), so the "
+                 f"planner streams as many blocks' weights as the cap needs. The bound is the largest of the GPU's "
+                 f"forward, backward and recomputes, the host updates of the offloaded parameters, and the "
+                 f"streamed weights crossing twice at the measured pinned bandwidth, all from the plan's profile; "
+                 f"\"vs resident\" compares with {where}, the tightest that kept every weight on the GPU.")
+        table = markdown_table(["VRAM cap", "blocks streamed", "step, peak", "vs resident", "GPU compute",
+                                "host update", "weight copies", "step / bound"], rows)
+        return "\n\n".join([intro, table, caption([("", record)])])
+    return render
+
+
+def plan_accuracy(name: str):
+    """plan_accuracy.py: the planner's expected step time and peak beside the measured ones."""
+    def render(results: Path) -> str:
+        record = load(results, name)
+        rows = [[r["variation"], str(r["resident_params"]), str(r["recomputed_blocks"]),
+                 s(r["expected_step_s"]), s(r["step_s"]), f"{r['step_s'] / r['expected_step_s']:.2f}",
+                 gb(r["expected_peak_GB"]), gb(r["peak_GB"])] for r in record["results"]]
+        a = record["args"]
+        intro = (f"{model_words(a, record.get('params'))}, `max_grad_norm={a['clip']}`, `vram_budget=\"{a['vram_budget']}\"`: the "
+                 f"plan wrap() chose and variations of it, applied one after another in one process.")
+        table = markdown_table(["plan", "resident params", "blocks recomputed", "expected step", "measured",
+                                "measured / expected", "expected peak", "peak"], rows)
+        return "\n\n".join([intro, table, caption([("", record)])])
+    return render
+
+
 def adamw_vs_torch(results: Path) -> str:
     r = load(results, "adamw_vs_torch")
     forms = [("trainstream", f"trainstream ({r['isa']})"), ("torch_fused", "torch.optim.AdamW, fused=True"),
@@ -372,6 +431,8 @@ TABLES = {
     "budget_sweep": budget_sweep("budget_sweep"),
     "budget_sweep_nohooks": budget_sweep("budget_sweep_nohooks"),
     "stream_095": runs("stream_095"),
+    "stream_price": stream_price("stream_price"),
+    "plan_accuracy_20gb": plan_accuracy("plan_accuracy_20gb"),
     "adamw_vs_torch": adamw_vs_torch,
     "engine_update_term": engine_update_term,
     "engine_threads": engine_threads,

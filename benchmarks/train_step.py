@@ -29,6 +29,7 @@ import shlex
 import socket
 import sys
 import time
+import traceback
 import types
 
 import torch
@@ -40,15 +41,46 @@ from trainstream.testing import causal_lm_loss, llama
 
 def build_model(args, device) -> torch.nn.Module:
     """The model of the flags, built on `device` in the weights' dtype (no fp32 copy of a bf16
-    model on the way)."""
+    model on the way). In host memory its random values come from `pooled_init`."""
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16 if args.weights == "bf16" else torch.float32)
     try:
-        with torch.device(device):
+        with torch.device(device), pooled_init() if device == "cpu" else contextlib.nullcontext():
             return llama(vocab=args.vocab, hidden=args.hidden, layers=args.layers, heads=args.heads, seq=args.seq,
                          intermediate=args.intermediate)
     finally:
         torch.set_default_dtype(default)
+
+
+@contextlib.contextmanager
+def pooled_init(pool: int = 1 << 24):
+    """Random initialisation at memory speed: torch draws a CPU tensor's random values on one
+    thread (over two minutes for a 6B model, twice over with a module's own init and the
+    model's), so here each draw copies a pool of `pool` values drawn once, tiled. For timing runs
+    of models built in host memory; the values' distribution is the one asked for."""
+    normal = torch.randn(pool)
+    uniform = torch.rand(pool)
+    drawn = {"normal_": torch.Tensor.normal_, "uniform_": torch.Tensor.uniform_}
+
+    def fill(t: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        flat = t.detach().view(-1)
+        whole = flat.numel() // pool * pool
+        if whole:
+            flat[:whole].view(-1, pool).copy_(values.expand(whole // pool, pool))
+        flat[whole:].copy_(values[:flat.numel() - whole])
+        return t
+
+    def normal_(t, mean=0.0, std=1.0, *, generator=None):
+        return fill(t, normal * std + mean) if t.device.type == "cpu" else drawn["normal_"](t, mean, std, generator=generator)
+
+    def uniform_(t, a=0.0, b=1.0, *, generator=None):
+        return fill(t, uniform * (b - a) + a) if t.device.type == "cpu" else drawn["uniform_"](t, a, b, generator=generator)
+
+    torch.Tensor.normal_, torch.Tensor.uniform_ = normal_, uniform_
+    try:
+        yield
+    finally:
+        torch.Tensor.normal_, torch.Tensor.uniform_ = drawn["normal_"], drawn["uniform_"]
 
 
 def deepspeed_config(args, stage: int) -> dict:
@@ -86,6 +118,7 @@ def deepspeed_engine(model, config: dict):
 
 def run_mode(mode: str, args) -> dict:
     torch.manual_seed(0)
+    started = time.perf_counter()
     base = mode.split("+")[0]
     if base == "deepspeed3":  # built straight into host memory, partitioned as it is made
         import deepspeed
@@ -96,6 +129,8 @@ def run_mode(mode: str, args) -> dict:
     else:
         # --host-model: a model whose weights may not fit the GPU waits in host memory for wrap()
         model = build_model(args, "cpu" if args.host_model and base == "trainstream" else "cuda")
+    progress = print if args.host_model else lambda *a, **k: None  # large models: minutes, shown as they pass
+    progress(f"{mode}: model built in host memory ({time.perf_counter() - started:.0f} s)", flush=True)
     params = sum(p.numel() for p in model.parameters())
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     sync = lambda: None
@@ -202,8 +237,14 @@ def run_mode(mode: str, args) -> dict:
             opt.zero_grad(set_to_none=True)
         return loss
 
-    for _ in range(args.warmup):
+    progress(f"{mode}: set up in {time.perf_counter() - started:.0f} s", flush=True)
+    for i in range(args.warmup):
+        t0 = time.perf_counter()
         loss = one_step()
+        if args.host_model:
+            sync()
+            torch.cuda.synchronize()
+        progress(f"{mode}: warm-up step {i + 1}: {time.perf_counter() - t0:.2f} s", flush=True)
     sync()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -313,8 +354,12 @@ def main(argv=None) -> int:
             results.append(run_mode(mode, args))
         except ImportError as exc:
             results.append({"mode": mode, "skipped": f"not installed ({exc.name})"})
-        except torch.OutOfMemoryError:
-            results.append({"mode": mode, "error": "out of memory"})
+        except torch.OutOfMemoryError as exc:  # where, and the allocator's figures, for the record
+            where = [f for f in traceback.extract_tb(exc.__traceback__) if "trainstream" in f.filename
+                     or "train_step" in f.filename or "transformers" in f.filename][-4:]
+            results.append({"mode": mode, "error": "out of memory",
+                            "detail": str(exc).split("See documentation")[0].strip(),
+                            "at": [f"{f.name} ({os.path.basename(f.filename)}:{f.lineno})" for f in where]})
         gc.collect()  # the mode's model, optimizer and pinned memory go before the next one
         torch.cuda.empty_cache()
         print(json.dumps({k: v for k, v in results[-1].items() if k != "report"}), flush=True)

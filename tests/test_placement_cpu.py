@@ -390,3 +390,29 @@ def test_the_profile_measures_the_hooks_host_time_less_their_paging():
     assert 0 < figures.paging_seconds < figures.hook_seconds
     recasts = opt._profile.hook_s - (figures.hook_seconds - figures.paging_seconds)
     assert 0 <= recasts < 1e-3  # the device's recasts, estimated from their bytes
+
+
+def test_a_re_plan_recomputes_after_a_plan_that_needed_no_hooks():
+    """A plan that keeps every block detaches the pager; a later plan (the re-plan after a step
+    over its budget) that recomputes must hook the model again, and train the same bits."""
+    data = batches(6, 1)
+    model, opt = make()
+    weights = sum(p.numel() * 4 for p in model.parameters())
+    model, opt = trainstream.wrap(model, opt, max_grad_norm=1.0, vram_budget=100 * weights)
+    train(model, opt, data[:3], 1.0)
+    assert opt.plan is not None and opt.activation_pager is None  # everything kept: no hooks
+    opt._apply(replace(opt.plan, recomputed=(1,)))
+    assert opt.report()["placement"]["blocks"] == ["kept", "recomputed", "kept"]
+    pager = opt.activation_pager
+    assert pager is not None and "forward" in model.blocks[1].__dict__
+    calls = []
+    inner = next(m for m in model.blocks[1].modules() if isinstance(m, torch.nn.Linear))
+    inner.register_forward_hook(lambda *_: calls.append(1))
+    norms = train(model, opt, data[3:], 1.0)
+    assert len(calls) == 6  # each forward, then its recompute in backward
+    ref, ref_opt = make()
+    ref, ref_opt = trainstream.wrap(ref, ref_opt, max_grad_norm=1.0,
+                                    tuning=trainstream.Tuning(placement="offload", track_grad_norm=True))
+    train(ref, ref_opt, data[:3], 1.0)  # (the same two schedules)
+    assert train(ref, ref_opt, data[3:], 1.0) == norms
+    assert_same_bits(model, opt, ref, ref_opt, "re-planned")

@@ -258,7 +258,10 @@ def test_a_capped_process_trains_within_its_budget_with_no_option(share):
     print(opt.describe())
     assert placement["state"] == "planned"
     assert peak <= opt.vram_budget <= cap
-    assert placement["offloaded_params"] > 0 or placement["saved_tensor_hooks"]
+    # something was given up: state offloaded, or activations paged or recomputed (torch's
+    # checkpointing alone, without saved-tensor hooks, where that is cheaper)
+    assert (placement["offloaded_params"] > 0 or placement["saved_tensor_hooks"]
+            or "recomputed" in placement["blocks"])
     opt.remove_hooks()
     collected()
     ref, ref_opt, ref_losses, _ = mid_run(8, tuning=trainstream.Tuning(placement="offload"))

@@ -3,6 +3,7 @@ JSON in docs/results gives, and regenerating them is idempotent."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -61,3 +62,30 @@ def test_a_results_file_no_table_shows_fails_the_check(tmp_path):
     (results / "orphan.json").write_text('{"columns": ["a"], "rows": [["1"]]}')
     done = report(str(results), "--check")
     assert done.returncode == 1 and "orphan" in done.stderr
+
+
+def test_the_streaming_price_is_measured_against_its_bound(tmp_path):
+    """stream_price: each capped run against the tightest resident one and against the largest of
+    GPU compute, host updates and weight copies, taken from its plan's profile."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    import report as module
+
+    def run(cap, step, streamed, resident):
+        blocks = [{"forward_s": 0.002, "weight_bytes": 10**9} for _ in range(4)]
+        profile = {"forward_s": 0.03, "backward_s": 0.06, "host_s_per_param": 1e-10, "h2d_bytes_per_s": 5e10,
+                   "blocks": blocks, "params": [{"numel": 10**8} for _ in range(10)]}
+        plan = {"profile": profile, "blocks": ["kept", "recomputed", "kept", "kept"], "streamed_blocks": streamed,
+                "resident_params": resident}
+        return {"mode": "trainstream", "cap_GB": cap, "step_s": step, "peak_vram_GB": cap or 20.0, "params": 10**9,
+                "plan": plan}
+
+    record = {"args": {"hidden": 64, "layers": 4, "batch": 1, "seq": 8, "clip": 1.0},
+              "results": [run(None, 0.05, 0, 10), run(6.0, 0.1, 0, 2), run(4.0, 0.2, 3, 0)]}
+    (tmp_path / "stream_price.json").write_text(json.dumps(record))
+    bound = module.streaming_bound(record["results"][2]["plan"])
+    # GPU 0.092 s (a recomputed block's forward on top), host 0.1 s (every parameter offloaded), 3 GB twice at 50 GB/s
+    assert (round(bound["gpu_s"], 3), round(bound["host_s"], 3), round(bound["copies_s"], 3)) == (0.092, 0.1, 0.12)
+    table = module.TABLES["stream_price"](tmp_path)
+    assert "| 4 GB | 3 | 0.200 s, 4.00 GB | 2.00x |" in table  # against the 6 GB run, the tightest resident one
+    assert table.count("1.67x") == 1  # 0.2 s against its 0.12 s bound
+    assert "compares with the 6 GB run" in table

@@ -133,6 +133,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self._device = device
         self._streams = streams  # (download, upload) torch streams, kept alive here
         self.activation_pager = activation_pager  # trainstream.activations.ActivationPager or None
+        self._pager = activation_pager  # the same, also while a plan that needs no hooks has it detached
         self.max_grad_norm = max_grad_norm
         self.accumulation_steps = accumulation_steps
         self._vram_sums = accumulate_in_vram  # None: the planner's choice per parameter
@@ -975,7 +976,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         """Moves every parameter to where `plan` puts it (between steps: nothing is in flight)."""
         self.synchronize()
         _ = self.last_grad_norm  # the window's norm, read where its parts were taken
-        pager = self.activation_pager
+        pager = self._pager
         streamed = self._streamed_count()
         if plan.streamed > streamed:  # (the profiled steps' streamed blocks stay streamed)
             blocks = pager.blocks
@@ -995,8 +996,10 @@ class OffloadedAdamW(torch.optim.Optimizer):
             s.sum_in_vram = summable and (wanted or not s.host.has_accumulator) and not s.streamed
         if pager is not None and pager.deferred:
             if plan.hooks or plan.recomputed:
+                pager.reattach()
                 pager.apply(plan.paged if plan.hooks else 0, plan.recomputed, "placement planner", hooks=plan.hooks)
-            else:
+                self.activation_pager = pager
+            else:  # (a re-plan may need it again: _check_peak)
                 pager.remove()
                 self.activation_pager = None
         self.plan = plan
@@ -1251,5 +1254,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
             self._dp.detach()
         if self.activation_pager is not None:
             self.activation_pager.remove()
-        if self._streamer is not None:
-            self._streamer.remove()
+        if self._streamer is not None and (left := self._streamer.remove()):
+            log.warning("trainstream: remove_hooks(): %.2f GB of the streamed blocks' weights do not fit the "
+                        "device and stay in host memory (move the model or its blocks where they should "
+                        "go, e.g. model.cpu() to save it)", left / 1e9)

@@ -124,18 +124,30 @@ class WeightStreamer:
         """Streamed weights on the device now."""
         return sum(sum(b.nbytes) for b in self._blocks if b.where != _AWAY)
 
-    def remove(self) -> None:
-        """Back to the device for good (remove_hooks()): every block's weights in VRAM again."""
+    def remove(self) -> int:
+        """Back to the device for good (remove_hooks()): the blocks' weights in VRAM again, in
+        forward order as far as they fit. From the first that does not, they stay in host memory
+        as tensors of their own (the pinned buffers go with the optimizer). Returns the bytes
+        left in host memory."""
         for h in self._handles:
             h.remove()
         self._handles = []
         self.end_backward()
+        full, left = False, 0
         for block in self._blocks:
             for p, device, host, nbytes in zip(block.params, block.device, block.host, block.nbytes):
-                device.untyped_storage().resize_(nbytes)
-                device.copy_(host)
-                p.data = device
+                if not full:
+                    try:
+                        device.untyped_storage().resize_(nbytes)
+                    except torch.OutOfMemoryError:
+                        full = True
+                    else:
+                        p.data = device.copy_(host)
+                        continue
+                p.data = host.clone()
+                left += nbytes
         self._blocks = []
+        return left
 
     # ------------------------------------------------------------------------ moves
     def _stream(self):

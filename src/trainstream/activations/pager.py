@@ -186,6 +186,7 @@ class ActivationPager:
         self.settle = None
         self._forwards = 0
         self._handles = []
+        self._model = model
         self._register(model)
 
     # ----------------------------------------------------------------------- hooks
@@ -204,6 +205,11 @@ class ActivationPager:
             h.remove()
         self._handles = []
         self._restore_forwards()
+
+    def reattach(self) -> None:
+        """Hooks the model again after remove() (a later plan pages or recomputes after all)."""
+        if not self._handles:
+            self._register(self._model)
 
     def _compute_stream(self) -> int:
         return torch.cuda.current_stream(self.device).cuda_stream if self._cuda else 0
