@@ -149,6 +149,26 @@ def test_activation_moves_are_taken_where_they_cost_least_per_gb():
     assert cheap.fits and cheap.resident < n
 
 
+def test_paged_activations_take_no_more_host_memory_than_there_is():
+    # Paging is the cheapest saving here (a slow host, free hooks); with host memory for fewer
+    # paged activations than the roomy plan's, the rest of the saving comes from elsewhere, and
+    # the leanest plan pages only what fits.
+    profile = replace(made_up_profile(host_ns=20.0, clipping=True), hook_s=0.0)
+    n = len(profile.params)
+    budget = int(planner.peak_bytes(profile, planner.Plan(resident=n)) - 4 * GB)
+    roomy = planner.plan_placement(profile, budget)
+    paged = planner.paged_host_bytes(profile, roomy)
+    assert roomy.fits and paged > 0
+    tight = replace(profile, host_room=paged // 2)
+    plan = planner.plan_placement(tight, budget)
+    assert plan.fits and planner.paged_host_bytes(tight, plan) <= tight.host_room
+    assert plan.key() != roomy.key()
+    assert "of pinned memory for the paged activations (host memory had room for" in planner.describe(plan, tight)
+    smallest = planner.smallest_plan(replace(profile, host_room=GB // 4))
+    assert smallest.paged == 5 and planner.paged_host_bytes(profile, smallest) == 5 * (GB // 20)  # recomputed inputs
+    assert planner.smallest_plan(profile).paged == len(profile.blocks)
+
+
 def test_fixed_activations_leave_the_blocks_alone_and_ties_are_deterministic():
     profile = made_up_profile(activations=False)
     n = len(profile.params)
@@ -289,8 +309,11 @@ def test_a_budget_the_activations_must_meet_pages_or_recomputes_and_trains_the_s
     norms = train(model, opt, data, 1.0, autocast=True)
     report = opt.report()["placement"]
     print(opt.describe())
-    assert report["state"] == "planned" and report["saved_tensor_hooks"]
+    # (whether the hooks are on depends on their measured host time: a loaded machine may find
+    # recomputing without them cheaper)
+    assert report["state"] == "planned"
     assert {"paged", "recomputed"} & set(report["blocks"])
+    assert "paged" not in report["blocks"] or report["saved_tensor_hooks"]
     ref, ref_opt = big()
     ref, ref_opt = trainstream.wrap(ref, ref_opt, max_grad_norm=1.0,
                                     tuning=trainstream.Tuning(placement="offload", track_grad_norm=True))

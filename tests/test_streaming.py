@@ -456,3 +456,17 @@ def test_remove_hooks_leaves_in_host_memory_what_the_device_cannot_hold(monkeypa
     gc.collect()
     for n, p in model.named_parameters():  # its own memory: the optimizer's buffers are gone
         assert torch.equal(p, trained[n]), n
+
+
+def test_describe_states_host_bytes_per_parameter():
+    """14 bytes an offloaded bf16 parameter (fp32 master, two moments, a bf16 gradient buffer), 2
+    more for a streamed one's bf16 weights: the figures describe() gives are the ones held."""
+    torch.manual_seed(0)
+    model = TinyLM(layers=2).to(torch.bfloat16)
+    opt = torch.optim.AdamW(param_groups(model), lr=1e-2)
+    model, opt = trainstream.wrap(model, opt, tuning=trainstream.Tuning(placement="offload", streamed_blocks=1))
+    trainable = sum(p.numel() for p in model.parameters())
+    streamed = sum(p.numel() for p in model.blocks[1].parameters())
+    line = next(line for line in opt.describe().splitlines() if line.startswith("host memory"))
+    assert f"({(14 * trainable + 2 * streamed) / trainable:.1f} B a parameter" in line
+    assert "streamed bf16 weights" in line

@@ -37,8 +37,9 @@ _CLIP_EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_
 # a piece at a time for larger parameters.
 _STAGING_FLOATS = 16 << 20
 _PACK_S = 30e-6  # what one call of the saved-tensor hooks costs the host, where it was not measured
-# Host memory speculation leaves free: this much, or a tenth of what is available if that is more.
-_SPECULATION_RESERVE = 4 << 30
+# Host memory that speculation and paged activations leave free: this much, or a tenth of what is
+# available if that is more.
+_HOST_RESERVE = 4 << 30
 # id(parameter) -> (the parameter, its optimizer), both weakly: tensors compare by value, not by
 # identity, so they cannot be the keys of a WeakKeyDictionary
 _OWNERS: dict[int, tuple[weakref.ref, weakref.ref]] = {}
@@ -376,8 +377,9 @@ class OffloadedAdamW(torch.optim.Optimizer):
         memory holds beyond a reserve; the rest wait for the norm."""
         if self.max_grad_norm is None:
             return
-        available = _C.host_memory_available()
-        room = available - max(_SPECULATION_RESERVE, available // 10) if available else float("inf")
+        room = self._host_room()
+        if self.plan is not None and self._profile is not None:  # the plan's paged activations come first
+            room -= max(0, planner.paged_host_bytes(self._profile, self.plan) - self._paging_slot_bytes())
         for s in reversed(self._order):
             if s.next_state is not None or not s.offloaded or s.streamed or self._sums_on_host(s):
                 continue
@@ -391,6 +393,16 @@ class OffloadedAdamW(torch.optim.Optimizer):
             if s.param.dtype == torch.bfloat16:
                 s.next_state["master_param"] = self._host_tensor(s.host, "next_master", s.weight)
         self.speculation["params"] = sum(self._speculates(s) for s in self._order)
+
+    @staticmethod
+    def _host_room() -> float:
+        """Host memory free for pinned activations and speculation, beyond the reserve."""
+        available = _C.host_memory_available()
+        return max(0, available - max(_HOST_RESERVE, available // 10)) if available else float("inf")
+
+    def _paging_slot_bytes(self) -> int:
+        """Host memory the pager's slots already hold (reused for every step's paged activations)."""
+        return self._pager._native.stats()["reserved_bytes"] if self._pager is not None else 0
 
     def _commit(self, slot: _Slot) -> None:
         """Queues the commit of a speculative update (with the hyperparameters it ran with: the
@@ -897,7 +909,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
             weights = planner.device_weight_bytes(profile, smallest.streamed)
             raise VramBudgetError(
                 f"the step cannot fit a VRAM budget of {budget / 1e9:.2f} GB: with every gradient and "
-                f"AdamW state offloaded, every block recomputed and paged and "
+                f"AdamW state offloaded, every block recomputed and paged (as far as host memory holds) and "
                 f"{'every' if smallest.streamed == len(profile.blocks) else smallest.streamed} block's "
                 f"weights streamed, it still needs "
                 f"{floor / 1e9:.2f} GB (weights on the GPU {weights / 1e9:.2f} GB + activations and "
@@ -961,7 +973,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
             outside_cast_bytes=figures.outside_cast_bytes if figures is not None else 0, hook_s=hook_s,
             weight_bytes=sum(p.numel() * p.element_size() for p in self._model.parameters()),
             fixed_activations=not deferred, streamed=self._streamed_count() if blocks else 0,
-            stream_depth=self._prefetch_depth)
+            stream_depth=self._prefetch_depth,
+            host_room=None if math.isinf(room := self._host_room()) else int(room) + self._paging_slot_bytes())
 
     def _streamed_count(self) -> int:
         return len(self._streamer.modules) if self._streamer is not None else 0
@@ -1063,6 +1076,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
         if self._streamer is not None and (self.plan is None or not self.plan.streamed):
             lines.append(f"weights: {len(self._streamer.modules)} blocks' ({self._streamer.weight_bytes / 1e9:.2f} GB) "
                          f"stream from host memory, one block ahead of their use")
+        if self._pipeline.host_used_bytes or self._paging_slot_bytes():
+            lines.append(self._host_memory_line())
         if self.max_grad_norm is not None and self.speculation["params"]:
             spec = self.speculation
             lines.append(f"clipping: {spec['params']} offloaded parameters start their update before the global norm "
@@ -1078,6 +1093,18 @@ class OffloadedAdamW(torch.optim.Optimizer):
         if self.activation_pager is not None:
             lines.append(self.activation_pager.describe())
         return "\n".join(lines)
+
+    def _host_memory_line(self) -> str:
+        """Host memory by what it holds, per offloaded parameter for the state."""
+        used = self._pipeline.host_used_bytes
+        offloaded = sum(s.weight.numel() for s in self._order if s.offloaded and not s.peer)
+        parts = [f"{used / 1e9:.2f} GB {self._pipeline.host_memory_kind} for the offloaded state"
+                 + (f" ({used / offloaded:.1f} B a parameter: fp32 master, two moments, a gradient buffer"
+                    + (", streamed bf16 weights" if any(s.streamed and s.param.dtype == torch.bfloat16
+                                                       for s in self._order) else "") + ")" if offloaded else "")]
+        if self._paging_slot_bytes():
+            parts.append(f"{self._paging_slot_bytes() / 1e9:.2f} GB of slots for paged activations")
+        return "host memory: " + ", ".join(parts)  # (speculation's: on the clipping line)
 
     # ------------------------------------------------------------------- checkpoints
     def state_dict(self):

@@ -82,6 +82,7 @@ class Profile:
     fixed_activations: bool = False  # the activation choices are the user's: no moves on them
     streamed: int = 0  # the last blocks whose weights the profiled steps streamed (they stay streamed)
     stream_depth: int = 1  # streamed blocks fetched ahead of the one in use (Tuning.prefetch_depth)
+    host_room: int | None = None  # host bytes paged activations may take (pinned slots already held included)
 
 
 @dataclass
@@ -225,6 +226,24 @@ def peak_bytes(profile: Profile, plan: Plan) -> int:
     return state + always + worst + _streaming_delta(profile, plan)
 
 
+def _paged_block_bytes(profile: Profile, plan: Plan) -> list[int]:
+    """What each paged block sends to host memory a step: its activations, or a recomputed
+    block's inputs."""
+    if not plan.hooks or not profile.blocks:
+        return []
+    return [profile.blocks[i].input_bytes if i in plan.recomputed else profile.blocks[i].bytes
+            for i in range(plan.paged)]
+
+
+def paged_host_bytes(profile: Profile, plan: Plan) -> int:
+    """Host memory the plan's paged activations take (pinned slots, reused every step)."""
+    return sum(_paged_block_bytes(profile, plan))
+
+
+def _host_holds(profile: Profile, plan: Plan) -> bool:
+    return profile.host_room is None or paged_host_bytes(profile, plan) <= profile.host_room
+
+
 # ----------------------------------------------------------------------------------- time
 def _exposed_paging_s(profile: Profile, plan: Plan) -> tuple[float, int]:
     """(seconds of copies that do not hide behind forward compute, both directions; bytes paged
@@ -235,8 +254,7 @@ def _exposed_paging_s(profile: Profile, plan: Plan) -> tuple[float, int]:
         return 0.0, 0  # (fixed activation choices come with no blocks: the same in every plan)
     copied = computed = lag = 0.0
     paged_bytes = 0
-    for i in range(plan.paged):
-        nbytes = blocks[i].input_bytes if i in plan.recomputed else blocks[i].bytes
+    for i, nbytes in enumerate(_paged_block_bytes(profile, plan)):
         paged_bytes += nbytes
         copied += nbytes / bandwidth
         computed += blocks[i].forward_s
@@ -364,8 +382,9 @@ def _candidates(profile: Profile, plan: Plan) -> list[tuple[str, Plan]]:
     hooked = replace(plan, hooks=True)
     if not plan.hooks:
         out.append(("saved-tensor hooks on", hooked))
-    if plan.paged < len(profile.blocks):
-        out.append((f"page block {plan.paged}", replace(hooked, paged=plan.paged + 1)))
+    paged = replace(hooked, paged=plan.paged + 1)
+    if plan.paged < len(profile.blocks) and _host_holds(profile, paged):  # (host memory holds its copies)
+        out.append((f"page block {plan.paged}", paged))
     # Recomputing a block needs no saved-tensor hooks of ours (it is torch's checkpointing): without
     # them it also drops the block's autocast copies, as stock gradient checkpointing does.
     gain = [(j, b.bytes + (0 if plan.hooks else b.cast_bytes) - b.input_bytes) for j, b in enumerate(profile.blocks)
@@ -477,8 +496,11 @@ def smallest_plan(profile: Profile) -> Plan:
     if profile.fixed_activations or not n:
         return Plan(resident=0, hooks=profile.profiled_hooks, paged=profile.profiled_paged,
                     streamed=streamable(profile))
-    return Plan(resident=0, hooks=True, paged=n, streamed=streamable(profile),
+    plan = Plan(resident=0, hooks=True, paged=n, streamed=streamable(profile),
                 recomputed=tuple(j for j, b in enumerate(profile.blocks) if b.bytes > b.input_bytes))
+    while not _host_holds(profile, plan):  # as many leading blocks paged as host memory holds
+        plan = replace(plan, paged=plan.paged - 1)
+    return plan
 
 
 def describe(plan: Plan, profile: Profile, names: bool = False) -> str:
@@ -501,6 +523,10 @@ def describe(plan: Plan, profile: Profile, names: bool = False) -> str:
         lines.append(f"activations: {len(kinds)} blocks, " + ", ".join(f"{v} {k}" for k, v in counts.items())
                      + ("; autocast weight copies recast in backward" if plan.hooks else
                         "; no saved-tensor hooks" + (" (recomputing is torch's checkpointing)" if plan.recomputed else "")))
+        if plan.hooks and plan.paged:
+            room = "" if profile.host_room is None else f" (host memory had room for {profile.host_room / GB:.2f} GB)"
+            lines.append(f"host: {paged_host_bytes(profile, plan) / GB:.2f} GB of pinned memory for the paged "
+                         f"activations{room}")
         if plan.streamed:
             away = sum(profile.blocks[j].weight_bytes for j in streamed_blocks(profile, plan.streamed))
             lines.append(f"weights: the last {plan.streamed} blocks' ({away / GB:.2f} GB) stream from host memory, "
