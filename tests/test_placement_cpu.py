@@ -163,7 +163,7 @@ def test_paged_activations_take_no_more_host_memory_than_there_is():
     plan = planner.plan_placement(tight, budget)
     assert plan.fits and planner.paged_host_bytes(tight, plan) <= tight.host_room
     assert plan.key() != roomy.key()
-    assert "of pinned memory for the paged activations (host memory had room for" in planner.describe(plan, tight)
+    assert "GB for the paged activations (host memory had room for" in planner.describe(plan, tight)
     smallest = planner.smallest_plan(replace(profile, host_room=GB // 4))
     assert smallest.paged == 5 and planner.paged_host_bytes(profile, smallest) == 5 * (GB // 20)  # recomputed inputs
     assert planner.smallest_plan(profile).paged == len(profile.blocks)
@@ -413,6 +413,26 @@ def test_the_profile_measures_the_hooks_host_time_less_their_paging():
     assert 0 < figures.paging_seconds < figures.hook_seconds
     recasts = opt._profile.hook_s - (figures.hook_seconds - figures.paging_seconds)
     assert 0 <= recasts < 1e-3  # the device's recasts, estimated from their bytes
+    # a plan that pages nothing skips the kept tensors' bookkeeping: it is measured, and left out
+    assert 0 < figures.keeping_seconds < figures.hook_seconds
+    lean = opt._profile.hook_s - figures.keeping_seconds
+    assert opt._profile.lean_hook_s == pytest.approx(max(lean, recasts), abs=1e-12)
+
+
+def test_hooks_that_page_nothing_cost_their_lean_time():
+    # a slow host: offloading costs more than the hooks' autocast copies save
+    profile = replace(made_up_profile(host_ns=20.0, clipping=True), hook_s=0.040, lean_hook_s=0.002)
+    n = len(profile.params)
+    full = planner.peak_bytes(profile, planner.Plan(resident=n))
+    hooked = planner.Plan(resident=n, hooks=True)
+    assert planner.step_seconds(profile, hooked)[1]["hooks_s"] == 0.002
+    assert planner.step_seconds(profile, replace(hooked, paged=1))[1]["hooks_s"] == 0.040
+    # cheap lean hooks are the first saving (the autocast copies), where the paging hooks were not
+    saved = full - planner.peak_bytes(profile, hooked)
+    budget = int((full - saved // 2) / (1 - planner.RESERVE_FRACTION))
+    plan = planner.plan_placement(profile, budget)
+    assert plan.hooks and plan.paged == 0 and plan.resident == n and plan.step_terms["hooks_s"] == 0.002
+    assert not planner.plan_placement(replace(profile, lean_hook_s=None), budget).hooks
 
 
 def test_a_re_plan_recomputes_after_a_plan_that_needed_no_hooks():

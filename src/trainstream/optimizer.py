@@ -958,12 +958,15 @@ class OffloadedAdamW(torch.optim.Optimizer):
         updated = stats["updated_elements"] - start["updated_elements"]
         host_rate = (stats["busy_seconds"] - start["busy_seconds"]) / updated if updated else 0.0
         d2h, h2d, vram = self._bandwidths
-        hook_s = 0.0
+        hook_s = lean_hook_s = 0.0
         if figures is not None:
-            # the hooks' host time as measured, less what paging took in it (the device's recasts
-            # come on top); an estimate where none was (the profiled step ran without them)
+            # the hooks' host time as measured, less what paging took in it, and less the kept
+            # tensors' bookkeeping where nothing is paged (the device's recasts come on top); an
+            # estimate where none was (the profiled step ran without them)
             calls = figures.hook_seconds - figures.paging_seconds if figures.hook_seconds else figures.packs * _PACK_S
-            hook_s = calls + 3 * figures.recast_bytes / vram
+            recasts = 3 * figures.recast_bytes / vram
+            hook_s = calls + recasts
+            lean_hook_s = max(0.0, calls - figures.keeping_seconds) + recasts
         return planner.Profile(
             params=params, blocks=blocks, accumulation_steps=self.accumulation_steps,
             clipping=self.max_grad_norm is not None, forward_s=times["forward_s"], backward_s=times["backward_s"],
@@ -971,6 +974,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
             host_s_per_param=host_rate, d2h_bytes_per_s=d2h, h2d_bytes_per_s=h2d, device_bytes_per_s=vram,
             profiled_paged=pager._paged_upto if pager is not None else 0, profiled_hooks=pager is not None,
             outside_cast_bytes=figures.outside_cast_bytes if figures is not None else 0, hook_s=hook_s,
+            lean_hook_s=lean_hook_s,
             weight_bytes=sum(p.numel() * p.element_size() for p in self._model.parameters()),
             fixed_activations=not deferred, streamed=self._streamed_count() if blocks else 0,
             stream_depth=self._prefetch_depth,
@@ -1097,11 +1101,15 @@ class OffloadedAdamW(torch.optim.Optimizer):
     def _host_memory_line(self) -> str:
         """Host memory by what it holds, per offloaded parameter for the state."""
         used = self._pipeline.host_used_bytes
-        offloaded = sum(s.weight.numel() for s in self._order if s.offloaded and not s.peer)
+        slots = [s for s in self._order if s.offloaded and not s.peer]
+        held = ["fp32 master", "two moments", "a gradient buffer"]
+        if any(s.host.has_accumulator for s in slots):
+            held.append("an fp32 sum of micro-batches")
+        if any(s.streamed and s.param.dtype == torch.bfloat16 for s in slots):
+            held.append("streamed bf16 weights")
+        numel = sum(s.weight.numel() for s in slots)
         parts = [f"{used / 1e9:.2f} GB {self._pipeline.host_memory_kind} for the offloaded state"
-                 + (f" ({used / offloaded:.1f} B a parameter: fp32 master, two moments, a gradient buffer"
-                    + (", streamed bf16 weights" if any(s.streamed and s.param.dtype == torch.bfloat16
-                                                       for s in self._order) else "") + ")" if offloaded else "")]
+                 + (f" ({used / numel:.1f} B a parameter: {', '.join(held)})" if numel else "")]
         if self._paging_slot_bytes():
             parts.append(f"{self._paging_slot_bytes() / 1e9:.2f} GB of slots for paged activations")
         return "host memory: " + ", ".join(parts)  # (speculation's: on the clipping line)

@@ -78,6 +78,7 @@ class Profile:
     profiled_hooks: bool = False
     outside_cast_bytes: int = 0  # autocast copies of weights outside the blocks (an LM head's)
     hook_s: float = 0.0  # what the saved-tensor hooks cost a micro-batch
+    lean_hook_s: float | None = None  # the same when nothing is paged (kept tensors skip the bookkeeping)
     weight_bytes: int = 0  # every weight in VRAM, trainable or not, for the figures
     fixed_activations: bool = False  # the activation choices are the user's: no moves on them
     streamed: int = 0  # the last blocks whose weights the profiled steps streamed (they stay streamed)
@@ -284,7 +285,10 @@ def step_seconds(profile: Profile, plan: Plan) -> tuple[float, dict]:
     acc = profile.accumulation_steps
     params = profile.params
     recompute = sum(profile.blocks[j].forward_s for j in plan.recomputed)
-    hooks = profile.hook_s if plan.hooks else 0.0
+    hooks = 0.0
+    if plan.hooks:
+        lean = plan.paged == 0 and profile.lean_hook_s is not None
+        hooks = profile.lean_hook_s if lean else profile.hook_s
     paging, paged_bytes = _exposed_paging_s(profile, plan)
     streaming = _exposed_streaming_s(profile, plan)
     backward = profile.backward_s + recompute
@@ -525,8 +529,7 @@ def describe(plan: Plan, profile: Profile, names: bool = False) -> str:
                         "; no saved-tensor hooks" + (" (recomputing is torch's checkpointing)" if plan.recomputed else "")))
         if plan.hooks and plan.paged:
             room = "" if profile.host_room is None else f" (host memory had room for {profile.host_room / GB:.2f} GB)"
-            lines.append(f"host: {paged_host_bytes(profile, plan) / GB:.2f} GB of pinned memory for the paged "
-                         f"activations{room}")
+            lines.append(f"host: {paged_host_bytes(profile, plan) / GB:.2f} GB for the paged activations{room}")
         if plan.streamed:
             away = sum(profile.blocks[j].weight_bytes for j in streamed_blocks(profile, plan.streamed))
             lines.append(f"weights: the last {plan.streamed} blocks' ({away / GB:.2f} GB) stream from host memory, "

@@ -458,6 +458,7 @@ class ActivationPager:
         return _Kept(same, earlier.block, earlier.generation)
 
     def _pack_activation(self, t: torch.Tensor, block: int):
+        start = time.perf_counter() if self._timing else 0.0
         storage = t.untyped_storage()
         key = storage.data_ptr()
         nbytes = storage.nbytes()
@@ -470,8 +471,9 @@ class ActivationPager:
                 self._kept[key] = weakref.ref(t)
                 self._figures.kept_bytes += nbytes
                 self._figures.block_bytes[block] += nbytes
+            if self._timing:
+                self._figures.keeping_seconds += time.perf_counter() - start
             return _Kept(t, block, self._generation)
-        start = time.perf_counter() if self._timing else 0.0
         seen = self._by_storage.get(key)
         # the same storage if a tensor that holds it is still alive (else the address was reused)
         stored = seen[1]() if seen is not None and seen[0]() is not None else None
@@ -494,7 +496,10 @@ class ActivationPager:
         if isinstance(packed, torch.Tensor):
             return packed
         if isinstance(packed, _Kept):
+            start = time.perf_counter() if self._timing else 0.0
             self._start_block_backward(packed.block, packed.generation)
+            if self._timing:
+                self.last.keeping_seconds += time.perf_counter() - start
             return packed.tensor
         if isinstance(packed, _Recast):
             if packed.param._version != packed.version:

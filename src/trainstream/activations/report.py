@@ -15,6 +15,7 @@ class StepFigures:
     packs: int = 0  # tensors the hooks saw
     hook_seconds: float = 0.0  # host time inside the hooks (pack and unpack), measured in the profiled step
     paging_seconds: float = 0.0  # the part of it spent paging (a plan that pages nothing does not spend it)
+    keeping_seconds: float = 0.0  # and on the tensors kept on the device (skipped too when nothing is paged)
     block_cast_bytes: list = field(default_factory=list)  # recast and shared casts, per block
     outside_cast_bytes: int = 0  # the same outside the blocks
     kept_bytes: int = 0  # activations that paging would move, left on the device
