@@ -6,8 +6,8 @@ after another in one process.
 wrap()s the model of train_step.py's flags with max_grad_norm and the budget (no cap: every
 variation must be able to run), trains until the plan is made, then applies the chosen plan and
 variations of it: every parameter resident, none of its blocks recomputed, only the LM head
-offloaded, half the parameters offloaded, half the blocks recomputed, and last (streaming cannot
-be undone) a quarter, half and all of the blocks' weights streamed. For each: the planner's
+offloaded, half the parameters offloaded, half the blocks recomputed, the saved-tensor hooks on
+with nothing paged, and last (streaming cannot be undone) a quarter, half and all of the blocks' weights streamed. For each: the planner's
 expected step time and peak (placement.step_seconds and peak_bytes on the run's profile) against
 the measured ones, after --warmup steps, over --steps.
 """
@@ -40,6 +40,10 @@ def variations(profile: planner.Profile, chosen: planner.Plan) -> list[tuple[str
     if blocks:
         out.append((f"every parameter resident, {blocks // 2} blocks recomputed",
                     replace(chosen, resident=n, recomputed=tuple(range(blocks // 2)))))
+        # the saved-tensor hooks with nothing paged: the autocast copies recast in backward
+        out.append(("everything resident, hooks on, nothing paged", replace(chosen, resident=n, recomputed=(),
+                                                                            hooks=True, paged=0)))
+        out.append(("chosen, hooks on, nothing paged", replace(chosen, hooks=True, paged=0)))
     for k in sorted({max(1, blocks // 4), blocks // 2, blocks} - {0}):
         streamed = replace(chosen, streamed=max(k, chosen.streamed))
         # (a streamed block's parameters are offloaded: the planner counts them so)

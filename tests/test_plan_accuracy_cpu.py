@@ -25,6 +25,8 @@ def test_every_variation_is_applied_and_measured(tmp_path):
     assert rows["only the last parameter in forward order offloaded"]["resident_params"] == params - 1
     assert rows["half the parameters offloaded"]["resident_params"] == params // 2
     assert rows["every parameter resident, 2 blocks recomputed"]["recomputed_blocks"] == 2
+    hooked = rows["everything resident, hooks on, nothing paged"]
+    assert hooked["resident_params"] == params and hooked["step_terms"]["hooks_s"] > 0
     streamed = [r for name, r in rows.items() if "weights streamed" in name]
     assert [r["streamed_blocks"] for r in streamed] == [1, 2, 4]
     assert [r["resident_params"] for r in streamed] == sorted((r["resident_params"] for r in streamed), reverse=True)

@@ -119,4 +119,9 @@ void to_float32(ThreadPool& pool, float* dst, const void* src, DType dtype, std:
   accumulate_grad(pool, dst, src, dtype, numel, /*overwrite=*/true);
 }
 
+void zero_fill(ThreadPool& pool, void* dst, std::size_t bytes) {
+  auto* base = static_cast<char*>(dst);
+  for_chunks(pool, bytes, [base](std::size_t b, std::size_t e, std::size_t) { std::memset(base + b, 0, e - b); });
+}
+
 }  // namespace trainstream

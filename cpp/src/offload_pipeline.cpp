@@ -1,7 +1,6 @@
 #include "trainstream/offload_pipeline.hpp"
 
 #include <algorithm>
-#include <cstring>
 
 #include "trainstream/errors.hpp"
 #include "trainstream/grad_ops.hpp"
@@ -60,8 +59,8 @@ std::shared_ptr<HostParam> OffloadPipeline::add_param(std::size_t numel, DType w
     p->inexact_ = static_cast<std::uint32_t*>(arena.allocate(sizeof(std::uint32_t)));
     p->packs_ = true;
   }
-  std::memset(p->exp_avg, 0, 4 * numel);
-  std::memset(p->exp_avg_sq, 0, 4 * numel);
+  zero_fill(engine_.pool(), p->exp_avg, 4 * numel);
+  zero_fill(engine_.pool(), p->exp_avg_sq, 4 * numel);
   p->slot_ = transfer_->make_slot();
   return p;
 }
@@ -183,7 +182,7 @@ std::size_t OffloadPipeline::enable_speculation(HostParam& p) {
   }
   const auto touched = [&](std::size_t bytes) {
     void* block = spare_.allocate(bytes);
-    std::memset(block, 0, bytes);
+    zero_fill(engine_.pool(), block, bytes);
     return static_cast<float*>(block);
   };
   float* m = touched(4 * p.numel);

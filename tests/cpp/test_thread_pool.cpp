@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "check.hpp"
+#include "trainstream/grad_ops.hpp"
 #include "trainstream/thread_pool.hpp"
 
 using trainstream::ThreadPool;
@@ -74,6 +75,18 @@ TEST_CASE("a pool of one runs on the caller") {
 TEST_CASE("default size is the CPUs available") {
   ThreadPool pool;
   CHECK(pool.size() == trainstream::available_cpus());
+}
+
+TEST_CASE("zero_fill clears exactly its bytes, whole and in pieces") {
+  ThreadPool pool(4);
+  for (std::size_t bytes : {1u, 4095u, 16384u, 16385u, 1000003u}) {
+    std::vector<unsigned char> buffer(bytes + 2, 0xAB);
+    trainstream::zero_fill(pool, buffer.data() + 1, bytes);
+    CHECK(buffer.front() == 0xAB && buffer.back() == 0xAB);
+    bool zero = true;
+    for (std::size_t i = 1; i <= bytes; ++i) zero = zero && buffer[i] == 0;
+    CHECK(zero);
+  }
 }
 
 TS_TEST_MAIN

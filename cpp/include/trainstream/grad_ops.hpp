@@ -41,4 +41,8 @@ double squared_norm(ThreadPool& pool, const void* data, DType dtype, std::size_t
 // dst[i] = float(src[i]) for bf16 src; a plain copy for fp32.
 void to_float32(ThreadPool& pool, float* dst, const void* src, DType src_dtype, std::size_t numel);
 
+// Zeroes `bytes` at `dst` from every thread of the pool: fresh host memory's first touch (its
+// page faults) and a pinned buffer's fill both scale with threads.
+void zero_fill(ThreadPool& pool, void* dst, std::size_t bytes);
+
 }  // namespace trainstream
