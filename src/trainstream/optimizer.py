@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 
 from trainstream import placement as planner
+from trainstream.activations.plan import format_size
 from trainstream.distributed import local_shard
 from trainstream.errors import (GRAD_SCALER_MESSAGE, TrainingLoopError, UnsupportedSetupError, VramBudgetError,
                                 check_autocast, check_compile_mode, check_single_process, compiled_wrappers)
@@ -1108,10 +1109,10 @@ class OffloadedAdamW(torch.optim.Optimizer):
         if any(s.streamed and s.param.dtype == torch.bfloat16 for s in slots):
             held.append("streamed bf16 weights")
         numel = sum(s.weight.numel() for s in slots)
-        parts = [f"{used / 1e9:.2f} GB {self._pipeline.host_memory_kind} for the offloaded state"
+        parts = [f"{format_size(used)} {self._pipeline.host_memory_kind} for the offloaded state"
                  + (f" ({used / numel:.1f} B a parameter: {', '.join(held)})" if numel else "")]
         if self._paging_slot_bytes():
-            parts.append(f"{self._paging_slot_bytes() / 1e9:.2f} GB of slots for paged activations")
+            parts.append(f"{format_size(self._paging_slot_bytes())} of slots for paged activations")
         return "host memory: " + ", ".join(parts)  # (speculation's: on the clipping line)
 
     # ------------------------------------------------------------------- checkpoints
