@@ -181,9 +181,8 @@ def main(argv=None) -> int:
         vram = max((x["peak_vram_GB"] or 0.0) for x in r["ranks"])
         print(f"{r['mode']:<20}{r['step_s']:>9.3f}{vram:>20.2f}{max(x['host_GB'] for x in r['ranks']):>15.2f}")
     if args.json:
-        about = train_step.about(argv) if args.device == "cuda" else {"command": " ".join(sys.argv)}
         with open(args.json, "w") as f:
-            json.dump({"about": about, "args": vars(args), "results": rows}, f, indent=1)
+            json.dump({"about": train_step.about(argv), "args": vars(args), "results": rows}, f, indent=1)
     return 0
 
 

@@ -111,11 +111,11 @@ def main(argv=None) -> int:
         peak = "-" if r["peak_GB"] is None else f"{r['peak_GB']:.2f}"
         print(f"{r['variation']:<52}{r['expected_step_s']:>11.4f}{r['step_s']:>11.4f}{r['expected_peak_GB']:>12.2f}{peak:>9}")
     if args.json:
-        about = train_step.about(argv) if cuda else {"command": " ".join(sys.argv)}
         profile_figures = {k: v for k, v in vars(profile).items() if k not in ("params", "blocks")}
         with open(args.json, "w") as f:
-            json.dump({"about": about, "args": vars(args), "params": sum(p.numel() for p in model.parameters()),
-                       "profile": profile_figures, "results": rows}, f, indent=1)
+            json.dump({"about": train_step.about(argv), "args": vars(args),
+                       "params": sum(p.numel() for p in model.parameters()), "profile": profile_figures,
+                       "results": rows}, f, indent=1)
     return 0
 
 

@@ -393,7 +393,8 @@ def plot(results, path) -> None:
 
 
 def about(argv) -> dict:
-    """When, on what and by which command a run was made: report.py's caption for its table."""
+    """When, on what (the GPU, if any, and the CPU) and by which command a run was made: report.py's
+    caption for its table."""
     cpu = "unknown CPU"
     try:
         with open("/proc/cpuinfo") as f:
@@ -402,8 +403,10 @@ def about(argv) -> dict:
         pass
     script = os.path.relpath(sys.argv[0]) if sys.argv and sys.argv[0].endswith(".py") else "benchmarks/train_step.py"
     return {"date": datetime.date.today().isoformat(),
-            "hardware": f"{torch.cuda.get_device_name()}, {len(os.sched_getaffinity(0))} cores of {cpu}",
-            "software": f"torch {torch.__version__}, CUDA {torch.version.cuda}, trainstream {trainstream.__version__}",
+            "hardware": (f"{torch.cuda.get_device_name()}, " if torch.cuda.is_available() else "")
+            + f"{len(os.sched_getaffinity(0))} cores of {cpu}",
+            "software": f"torch {torch.__version__}" + (f", CUDA {torch.version.cuda}" if torch.version.cuda else "")
+            + f", trainstream {trainstream.__version__}",
             "command": shlex.join(["python", script, *(sys.argv[1:] if argv is None else argv)])}
 
 

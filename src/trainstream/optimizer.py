@@ -1081,8 +1081,9 @@ class OffloadedAdamW(torch.optim.Optimizer):
         if self._streamer is not None and (self.plan is None or not self.plan.streamed):
             lines.append(f"weights: {len(self._streamer.modules)} blocks' ({self._streamer.weight_bytes / 1e9:.2f} GB) "
                          f"stream from host memory, one block ahead of their use")
-        if self._pipeline.host_used_bytes or self._paging_slot_bytes():
-            lines.append(self._host_memory_line())
+        host = self._host_memory_line()
+        if host:
+            lines.append(host)
         if self.max_grad_norm is not None and self.speculation["params"]:
             spec = self.speculation
             lines.append(f"clipping: {spec['params']} offloaded parameters start their update before the global norm "
@@ -1100,8 +1101,10 @@ class OffloadedAdamW(torch.optim.Optimizer):
         return "\n".join(lines)
 
     def _host_memory_line(self) -> str:
-        """Host memory by what it holds, per offloaded parameter for the state."""
-        used = self._pipeline.host_used_bytes
+        """Host memory by what it holds, per offloaded parameter for the state ("" if none)."""
+        used, paging = self._pipeline.host_used_bytes, self._paging_slot_bytes()
+        if not used and not paging:
+            return ""
         slots = [s for s in self._order if s.offloaded and not s.peer]
         held = ["fp32 master", "two moments", "a gradient buffer"]
         if any(s.host.has_accumulator for s in slots):
@@ -1111,8 +1114,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
         numel = sum(s.weight.numel() for s in slots)
         parts = [f"{format_size(used)} {self._pipeline.host_memory_kind} for the offloaded state"
                  + (f" ({used / numel:.1f} B a parameter: {', '.join(held)})" if numel else "")]
-        if self._paging_slot_bytes():
-            parts.append(f"{format_size(self._paging_slot_bytes())} of slots for paged activations")
+        if paging:
+            parts.append(f"{format_size(paging)} of slots for paged activations")
         return "host memory: " + ", ".join(parts)  # (speculation's: on the clipping line)
 
     # ------------------------------------------------------------------- checkpoints
@@ -1261,12 +1264,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
             } for s in self._order],
         }
         if plan is not None:
-            kinds = []
-            for j in range(len(self._profile.blocks) if self._profile else 0):
-                kinds.append("paged" if plan.hooks and j < plan.paged else
-                             "recomputed" if j in plan.recomputed else "kept")
             out.update({
-                "blocks": kinds, "saved_tensor_hooks": plan.hooks,
+                "blocks": planner.block_kinds(plan, len(self._profile.blocks) if self._profile else 0), "saved_tensor_hooks": plan.hooks,
                 "expected_peak_bytes": plan.expected_peak, "reserve_bytes": plan.reserve,
                 "observed_peak_bytes": plan.observed_peak,
                 "expected_step_s": plan.expected_step_s, "step_terms": dict(plan.step_terms),

@@ -227,6 +227,12 @@ def peak_bytes(profile: Profile, plan: Plan) -> int:
     return state + always + worst + _streaming_delta(profile, plan)
 
 
+def block_kinds(plan: Plan, blocks: int) -> list[str]:
+    """What the plan does with each block's activations: "paged", "recomputed" or "kept"."""
+    return ["paged" if plan.hooks and j < plan.paged else "recomputed" if j in plan.recomputed else "kept"
+            for j in range(blocks)]
+
+
 def _paged_block_bytes(profile: Profile, plan: Plan) -> list[int]:
     """What each paged block sends to host memory a step: its activations, or a recomputed
     block's inputs."""
@@ -519,10 +525,7 @@ def describe(plan: Plan, profile: Profile, names: bool = False) -> str:
         + (f", {plan.vram_sums} of them summing micro-batches in VRAM" if profile.accumulation_steps > 1 else ""),
     ]
     if profile.blocks:
-        recomputed = set(plan.recomputed)
-        kinds = []
-        for j in range(len(profile.blocks)):
-            kinds.append("paged" if j < plan.paged and plan.hooks else "recomputed" if j in recomputed else "kept")
+        kinds = block_kinds(plan, len(profile.blocks))
         counts = {k: kinds.count(k) for k in ("kept", "paged", "recomputed") if kinds.count(k)}
         lines.append(f"activations: {len(kinds)} blocks, " + ", ".join(f"{v} {k}" for k, v in counts.items())
                      + ("; autocast weight copies recast in backward" if plan.hooks else
