@@ -238,21 +238,29 @@ def run_mode(mode: str, args) -> dict:
         return loss
 
     progress(f"{mode}: set up in {time.perf_counter() - started:.0f} s", flush=True)
-    for i in range(args.warmup):
+    when = "warm-up step 1"
+    try:
+        for i in range(args.warmup):
+            when = f"warm-up step {i + 1}"
+            t0 = time.perf_counter()
+            loss = one_step()
+            if args.host_model:
+                sync()
+                torch.cuda.synchronize()
+            progress(f"{mode}: {when}: {time.perf_counter() - t0:.2f} s", flush=True)
+        when = "the timed steps"
+        sync()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
-        loss = one_step()
-        if args.host_model:
-            sync()
-            torch.cuda.synchronize()
-        progress(f"{mode}: warm-up step {i + 1}: {time.perf_counter() - t0:.2f} s", flush=True)
-    sync()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    t0 = time.perf_counter()
-    for _ in range(args.steps):
-        loss = one_step()
-    sync()
-    torch.cuda.synchronize()
+        for _ in range(args.steps):
+            loss = one_step()
+        sync()
+        torch.cuda.synchronize()
+    except torch.OutOfMemoryError as exc:  # for the record: when, and the plan that ran out
+        exc.when = when
+        exc.plan = opt.describe() if base == "trainstream" else None
+        raise
     seconds = (time.perf_counter() - t0) / args.steps
     result = {
         "mode": mode, "params": params, "step_s": seconds, "loss": float(loss),
@@ -357,12 +365,15 @@ def main(argv=None) -> int:
         except torch.OutOfMemoryError as exc:  # where, and the allocator's figures, for the record
             where = [f for f in traceback.extract_tb(exc.__traceback__) if "trainstream" in f.filename
                      or "train_step" in f.filename or "transformers" in f.filename][-4:]
-            results.append({"mode": mode, "error": "out of memory",
+            results.append({"mode": mode, "error": "out of memory", "when": getattr(exc, "when", "set-up"),
                             "detail": str(exc).split("See documentation")[0].strip(),
                             "at": [f"{f.name} ({os.path.basename(f.filename)}:{f.lineno})" for f in where]})
+            if getattr(exc, "plan", None):
+                results[-1]["plan"] = exc.plan
+                print(f"{mode}: out of memory in {exc.when}, under this plan:\n{exc.plan}", file=sys.stderr)
         gc.collect()  # the mode's model, optimizer and pinned memory go before the next one
         torch.cuda.empty_cache()
-        print(json.dumps({k: v for k, v in results[-1].items() if k != "report"}), flush=True)
+        print(json.dumps({k: v for k, v in results[-1].items() if k not in ("report", "plan")}), flush=True)
     if torch.distributed.is_initialized():  # the deepspeed mode's one-process group
         torch.distributed.destroy_process_group()
     first = next((r for r in results if "step_s" in r), None)  # ratios are against the first mode that ran

@@ -9,6 +9,7 @@ the same arithmetic as an offloaded one, so the placement must never change a bi
 from __future__ import annotations
 
 import copy
+import importlib
 import io
 import logging
 from dataclasses import replace
@@ -459,3 +460,18 @@ def test_a_re_plan_recomputes_after_a_plan_that_needed_no_hooks():
     train(ref, ref_opt, data[:3], 1.0)  # (the same two schedules)
     assert train(ref, ref_opt, data[3:], 1.0) == norms
     assert_same_bits(model, opt, ref, ref_opt, "re-planned")
+
+
+@pytest.mark.parametrize("env,turned_on", [({}, True), ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}, False),
+                                           ({"PYTORCH_ALLOC_CONF": "max_split_size_mb:64,expandable_segments:True"},
+                                            False)])
+def test_the_planner_turns_on_expandable_segments_unless_the_user_chose(monkeypatch, env, turned_on):
+    wrapping = importlib.import_module("trainstream.wrap")  # (the package's `wrap` is the function)
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    calls = []
+    monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", calls.append)
+    assert wrapping.expandable_segments() is turned_on
+    assert calls == (["expandable_segments:True"] if turned_on else [])

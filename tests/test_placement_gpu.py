@@ -208,7 +208,7 @@ def footprints(acc: int = 1) -> tuple[int, int]:
 @contextlib.contextmanager
 def vram_cap(nbytes: int):
     total = torch.cuda.get_device_properties(0).total_memory
-    torch.cuda.empty_cache()
+    collected()  # the last model (footprints()'s, say) must not count against the cap
     torch.cuda.set_per_process_memory_fraction(nbytes / total)
     try:
         yield

@@ -17,6 +17,7 @@ from torch import nn
 
 import trainstream
 from trainstream import placement as planner
+from trainstream.activations import pager as activation_pager
 from trainstream.activations.plan import Plan
 from trainstream.errors import UnsupportedSetupError
 from trainstream.testing import TinyLM, param_groups
@@ -470,3 +471,19 @@ def test_describe_states_host_bytes_per_parameter():
     line = next(line for line in opt.describe().splitlines() if line.startswith("host memory"))
     assert f"({(14 * trainable + 2 * streamed) / trainable:.1f} B a parameter" in line
     assert "streamed bf16 weights" in line
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paging_leaves_streamed_weights_to_the_streamer(monkeypatch, dtype):
+    """A streamed block's weights get a new storage at each upload: the pager must still know them
+    for weights (the streamer uploads them again for backward), not page them as activations."""
+    monkeypatch.setattr(activation_pager, "MIN_BYTES", 0)  # (this model's tensors are all small)
+    torch.manual_seed(0)
+    base = TinyLM(layers=4)
+    paged = []
+    for streamed in (0, 3):
+        _, opt, _ = train(base, "cpu", streamed=None, dtype=dtype, wrap_kwargs=dict(activations=1.0),
+                          tuning=trainstream.Tuning(placement="offload", streamed_blocks=streamed))
+        paged.append(opt.report()["activations"]["paged_bytes_per_step"])
+    assert paged[0] > 0
+    assert paged[1] == paged[0]

@@ -5,7 +5,9 @@ ordinary way (autograd accumulation, clip_grad_norm_, an LR scheduler)."""
 from __future__ import annotations
 
 import copy
+import gc
 import io
+import weakref
 
 import pytest
 import torch
@@ -225,6 +227,27 @@ def test_gradients_hooks_capture_and_release():
     assert report["trainable_params"] == sum(p.numel() for p in model.parameters())
     assert report["host_memory_kind"] == "pageable"
     assert report["host_bytes_per_param"] >= 16
+
+
+@pytest.mark.parametrize("kwargs", [
+    {},
+    dict(max_grad_norm=1.0, accumulation_steps=2),
+    dict(activations=0.5, tuning=trainstream.Tuning(placement="offload")),
+    dict(max_grad_norm=1.0, tuning=trainstream.Tuning(placement="offload", streamed_blocks=1)),
+    dict(tuning=trainstream.Tuning(placement="gpu")),
+], ids=["default", "clip+acc2", "paged", "streamed", "resident"])
+def test_a_dropped_model_and_optimizer_are_freed(kwargs):
+    """Nothing outlives the user's references: a tensor's hooks are held where the garbage
+    collector cannot see them, so a cycle through them would keep every buffer alive."""
+    def run():
+        model, opt = make()
+        model, opt = trainstream.wrap(model, opt, **kwargs)
+        train(model, opt, batches(2, kwargs.get("accumulation_steps", 1)), wrapped=True)
+        return [weakref.ref(x) for x in (model, opt, next(model.parameters()))]
+
+    refs = run()
+    gc.collect()
+    assert [r() for r in refs] == [None] * 3
 
 
 def test_state_dict_round_trip_and_resume_are_identical():

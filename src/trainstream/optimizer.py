@@ -65,6 +65,18 @@ def _compiled(module: torch.nn.Module) -> bool:
     return getattr(module, "_compiled_call_impl", None) is not None or hasattr(module, "_orig_mod")
 
 
+def _weakly(method):
+    """`method` through a weak reference to its object. A tensor's hooks are held from C++, where
+    the garbage collector cannot see them: a bound method there would keep the optimizer, its
+    parameters and every buffer alive after the user drops both model and optimizer."""
+    owner, func = weakref.ref(method.__self__), method.__func__
+
+    def call(*args):
+        if (obj := owner()) is not None:
+            return func(obj, *args)
+    return call
+
+
 def _forget_dead_owners() -> None:
     for key in [k for k, (p, o) in _OWNERS.items() if p() is None or o() is None]:
         del _OWNERS[key]
@@ -228,7 +240,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
                 self.state[p] = slot.state
             self._slots[p] = slot
             self._order.append(slot)
-            self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+            self._hooks.append(p.register_post_accumulate_grad_hook(_weakly(self._on_grad)))
             _OWNERS[id(p)] = (weakref.ref(p), weakref.ref(self))
         self._gate_hooks = None  # laid out below
         self._gate_units: list[torch.nn.Module] = []

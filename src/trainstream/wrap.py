@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from trainstream._native import _C, require_cuda_build
@@ -161,6 +163,8 @@ def wrap(
         device = torch.device("cuda", index)
         if auto and budget is None:
             budget = default_vram_budget(device)
+        if auto:
+            expandable_segments()
     # under "auto" the budget is the planner's, which decides the activations too
     paging, share, pager_budget = _activation_policy(activations, None if auto else budget, device,
                                                      planned=auto and budget is not None)
@@ -246,6 +250,21 @@ def _streamed_blocks(model: torch.nn.Module, count: int | None, blocks: list[tor
 def _is_sharded(model: torch.nn.Module) -> bool:
     """Whether FSDP2 shards this model (fully_shard on it or on some of its modules)."""
     return any(fsdp2_root(m) is not None for m in model.modules())
+
+
+def expandable_segments() -> bool:
+    """Turn on expandable segments in torch's caching allocator, unless the user's allocator
+    settings name them: near its budget a plan otherwise fails on fragmentation rather than on
+    bytes (a 500 MiB logits buffer that no free block fits, with 600 MiB free in pieces). Segments
+    allocated before keep their kind. Returns whether this call turned them on."""
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        if "expandable_segments" in os.environ.get(name, ""):
+            return False
+    setting = getattr(torch.cuda.memory, "_set_allocator_settings", None)
+    if setting is None:  # (a torch without the runtime setting)
+        return False
+    setting("expandable_segments:True")
+    return True
 
 
 def default_vram_budget(device: torch.device) -> int:

@@ -145,8 +145,7 @@ class ActivationPager:
             self._streams = None
             self._native = _C.host_activation_pager()
         self._param_ids = {id(p) for p in model.parameters()}
-        self._static_storages = {t.untyped_storage().data_ptr()
-                                 for t in list(model.parameters()) + list(model.buffers())}
+        self._static_storages: set[int] = set()  # taken at each forward's start (_model_pre)
         self._input_storages: set[int] = set()
         # share given: decided now; otherwise the first step profiles with every block paged
         self.plan: Plan | None = None
@@ -219,6 +218,10 @@ class ActivationPager:
             return  # nothing is saved for backward under no_grad
         # the caller holds the model's inputs: paging them would free nothing
         self._input_storages = {t.untyped_storage().data_ptr() for t in tensors_in((args, kwargs))}
+        # where the buffers are now (wrap() may have moved them). Weights are known by their
+        # parameter (_pack), not their storage: a streamed block's storages are freed after its
+        # forward, and activations that reuse the addresses must not pass for weights.
+        self._static_storages = {b.untyped_storage().data_ptr() for b in self._model.buffers()}
         if self._profiling and self._timed:
             self._finish_profile()
         # the first forward runs cold (allocator, kernels' first launches): time the second, or
@@ -315,7 +318,7 @@ class ActivationPager:
         return hook
 
     def _is_static(self, key: int) -> bool:
-        """The storage at address `key` belongs to a parameter, a buffer or this forward's model inputs."""
+        """The storage at address `key` belongs to a buffer or this forward's model inputs."""
         return key in self._static_storages or key in self._input_storages
 
     def _new_input_bytes(self, inputs) -> int:
@@ -443,7 +446,9 @@ class ActivationPager:
                 self._figures.shared_cast_bytes += t.numel() * t.element_size()
                 self._count_cast(t.numel() * t.element_size())
                 return self._same_values(earlier, t)
-        packed = self._pack_activation(t, block)
+        # A weight, seen by its parameter rather than its storage: a streamed one gets a new
+        # storage at each upload, and the streamer uploads it again for backward.
+        packed = self._pack_activation(t, block, weight=id(base) in self._param_ids)
         if cast is not None:
             self._casts[cast] = packed
         return packed
@@ -457,13 +462,13 @@ class ActivationPager:
         same = earlier.tensor.detach().as_strided(t.size(), t.stride(), t.storage_offset())
         return _Kept(same, earlier.block, earlier.generation)
 
-    def _pack_activation(self, t: torch.Tensor, block: int):
+    def _pack_activation(self, t: torch.Tensor, block: int, weight: bool = False):
         start = time.perf_counter() if self._timing else 0.0
         storage = t.untyped_storage()
         key = storage.data_ptr()
         nbytes = storage.nbytes()
         view_bytes = t.numel() * t.element_size()
-        static = self._is_static(key)
+        static = weight or self._is_static(key)
         pageable = not (static or view_bytes < self.min_bytes or nbytes > 4 * view_bytes
                         or nbytes % t.element_size())
         if not pageable or block >= self._paged_upto:
