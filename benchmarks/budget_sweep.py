@@ -60,7 +60,7 @@ def run(mode: str, args, cap_gb: float | None) -> dict:
 def summary(placement: dict) -> str:
     """What TrainStream's planner chose, in a few words."""
     blocks = placement.get("blocks") or []
-    kinds = ", ".join(f"{blocks.count(k)} {k}" for k in ("paged", "recomputed") if blocks.count(k))
+    kinds = ", ".join(f"{blocks.count(k)} {k}" for k in ("paged", "recomputed", "recomputed lightly") if blocks.count(k))
     host_sums = sum(p["window_sum"] == "host" for p in placement["params"])
     streamed = placement.get("streamed_blocks")
     return (f"{placement['resident_params']}/{len(placement['params'])} params resident"
@@ -73,8 +73,8 @@ def sweep(args, acc: int) -> list[dict]:
     args.acc = acc
     rows, needs = [], {}
     for cap in args.caps:
-        for mode in ("trainstream", *args.peers):
-            if cap is not None and mode != "trainstream":
+        for mode in (*args.ours, *args.peers):
+            if cap is not None and not mode.startswith("trainstream"):
                 need = needs.get(mode)
                 if need is None:
                     continue  # it did not run uncapped
@@ -153,6 +153,7 @@ def main(argv=None) -> int:
     ap.add_argument("--accs", default="1,8")
     ap.add_argument("--caps", default="none,24,20,16,12,8", help="GB, comma-separated; 'none' is uncapped")
     ap.add_argument("--peers", default=",".join(PEERS))
+    ap.add_argument("--ours", default="trainstream", help="TrainStream's modes, e.g. trainstream,trainstream+light")
     ap.add_argument("--deepspeed", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--clip", type=float, default=1.0)
     ap.add_argument("--autocast", action=argparse.BooleanOptionalAction, default=True)
@@ -170,6 +171,7 @@ def main(argv=None) -> int:
     if args.caps[0] is not None:
         args.caps.insert(0, None)  # the peers' needs come from their uncapped runs
     args.peers = [p for p in args.peers.split(",") if p]
+    args.ours = [m for m in args.ours.split(",") if m]
     args.vram_budget = None
     accs = [int(a) for a in args.accs.split(",")]
     rows = []

@@ -2,7 +2,7 @@
 # Build, test and benchmark on a CUDA machine in one go; logs and JSON land in $1 (default ./gpu-results).
 #   bash benchmarks/gpu_suite.sh [OUTDIR] [STAGES]
 # STAGES: comma list of build,tests,verify,adamw,step,placement,timeline,paging,large,sanitize,
-#         clipping,compile,hf,streaming,stream_price,distributed
+#         clipping,compile,hf,streaming,stream_price,light,distributed
 #         (default: build,tests,verify,adamw,step)
 set -uo pipefail
 out="${1:-gpu-results}"
@@ -63,6 +63,10 @@ if has placement; then  # step time against a VRAM cap, TrainStream with no opti
     python3 "$repo/benchmarks/budget_sweep.py" --accs "$acc" --caps none,24,20,16,12,8 \
       --json "$out/sweep_acc$acc.json" --plot "$out/sweep_acc$acc.png" 2>&1 | grep -A40 "^NVIDIA"
   done
+fi
+if has light; then  # light recompute offered to the planner, against the plan without it, under caps
+  python3 "$repo/benchmarks/budget_sweep.py" --accs 1 --caps none,20,16,12 --ours trainstream,trainstream+light \
+    --peers gpu-adamw --no-deepspeed --json "$out/sweep_light.json" 2>&1 | grep -A14 "^NVIDIA"
 fi
 if has timeline; then  # one accumulation window, forward by backward, against GPU AdamW
   for mode in gpu-adamw trainstream+vramacc; do

@@ -157,7 +157,9 @@ def streaming_bound(plan: dict) -> dict:
     blocks = profile["blocks"]
     recomputed = [j for j, kind in enumerate(plan["blocks"] or []) if kind == "recomputed"]
     streamed = plan["streamed_blocks"] or 0
-    gpu = profile["forward_s"] + profile["backward_s"] + sum(blocks[j]["forward_s"] for j in recomputed)
+    light = [j for j, kind in enumerate(plan["blocks"] or []) if kind == "recomputed lightly"]
+    gpu = (profile["forward_s"] + profile["backward_s"] + sum(blocks[j]["forward_s"] for j in recomputed)
+           + sum(blocks[j].get("light_s", 0.0) for j in light))
     host = profile["host_s_per_param"] * sum(p["numel"] for p in profile["params"][plan["resident_params"]:])
     copies = 2 * sum(b["weight_bytes"] for b in blocks[len(blocks) - streamed:]) / profile["h2d_bytes_per_s"] \
         if streamed else 0.0

@@ -144,7 +144,8 @@ def run_mode(mode: str, args) -> dict:
     # every gradient as fp32, '+everygate' keeps the forward gates on and every one waiting,
     # '+pageonly' meets a VRAM budget by paging alone (no recomputed blocks), '+t12' runs the host
     # engine on 12 threads instead of every CPU, '+master' keeps fp32 masters on the host and
-    # uploads them instead of update terms.
+    # uploads them instead of update terms, '+light' offers the planner light recompute
+    # (Tuning(light_recompute=True)).
     # '+waitclip' makes clipped host updates wait for the global norm instead of speculating.
     # '+ckpt' or '+save_on_cpu' may come with one of TrainStream's variants: 'trainstream+ckpt+auto'.
     # On any mode: '+compile' compiles the model (torch.compile, default mode) before the optimizer
@@ -156,7 +157,7 @@ def run_mode(mode: str, args) -> dict:
     clips = [e for e in extras if e == "noclip" or re.fullmatch(r"clip[0-9.e+-]+", e)]
     clip = args.clip if not clips else None if clips[0] == "noclip" else float(clips[0][4:])
     compiling = [e for e in extras if e in ("compile", "compileafter")]
-    knobs = {e for e in extras if e in ("fp32grads", "everygate", "pageonly", "master", "offload", "waitclip",
+    knobs = {e for e in extras if e in ("fp32grads", "everygate", "pageonly", "master", "offload", "waitclip", "light",
                                         f"t{threads}", *clips, *compiling, *(f"stream{n}" for n in streams))}
     keeping = [e for e in extras if e in ("ckpt", "save_on_cpu")]
     variants = [e for e in extras if e not in knobs and e not in keeping]
@@ -179,7 +180,7 @@ def run_mode(mode: str, args) -> dict:
         t0 = time.perf_counter()
         tuning = dict(recompute="pageonly" not in knobs, threads=threads, pack_gradients="fp32grads" not in knobs,
                       upload_update_terms="master" not in knobs, speculative_clipping="waitclip" not in knobs,
-                      streamed_blocks=streams[0] if streams else None)
+                      streamed_blocks=streams[0] if streams else None, light_recompute="light" in knobs)
         if variant or "offload" in knobs:
             options = paging_options(variant, args)
             tuning.update(placement="offload", accumulate_in_vram=variant == "vramacc",

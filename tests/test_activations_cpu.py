@@ -12,6 +12,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import trainstream
+from trainstream.activations import light
 from trainstream.activations import pager as activation_pager
 from trainstream.activations import Plan, Profile, find_blocks, parse_bytes, plan_paging
 from trainstream.testing import TinyLM
@@ -255,6 +256,36 @@ def test_recomputed_blocks_are_bit_exact_and_prefetch_the_paged_ones(paged):
     assert all("forward" in vars(layer) for layer in model.layers[1:])
     opt.remove_hooks()
     assert not any("forward" in vars(layer) for layer in model.layers)
+
+
+@pytest.mark.parametrize("paged", [1, 3], ids=["inputs-kept", "inputs-paged"])
+def test_lightly_recomputed_blocks_are_bit_exact_and_keep_their_matmuls_outputs(paged):
+    def light_three(pager):  # as above, the three blocks recomputed lightly (light.py)
+        pager._apply_plan(Plan(paged, 3, "test", light=(1, 2, 3)))
+
+    ref, _, ref_losses = run(DropNet, activations="off")
+    model, opt, losses = run(DropNet, activations=1.0, setup=light_three)
+    assert all(torch.equal(a, b) for a, b in zip(ref_losses, losses))  # (the same dropout masks)
+    assert all(torch.equal(p, q) for p, q in zip(ref.parameters(), model.parameters()))
+    report = opt.report()["activations"]
+    assert report["light_blocks"] == 3 and report["recomputed_blocks"] == 0
+    assert report["kept_bytes_per_step"] == (4 - paged) * 64 * 48 * 4  # the inputs, as with whole recompute
+    assert "3 recomputed lightly" in opt.activation_pager.describe()
+    opt.remove_hooks()
+    assert not any("forward" in vars(layer) for layer in model.layers)
+
+
+def test_the_census_counts_what_light_recompute_keeps_and_reruns():
+    block = nn.Sequential(nn.Linear(48, 192), nn.GELU(), nn.Linear(192, 48))
+    x = torch.randn(4, 16, 48, requires_grad=True)
+    census = light.Census()
+    with census:
+        block(x).sum()
+    # kept: the two matmuls' outputs; rerun: the GELU and the sum (their outputs are new storages;
+    # views of the matmuls' outputs are not)
+    assert census.kept_bytes == 4 * 16 * (192 + 48) * 4
+    assert census.redone_ops == 2 and census.redone_bytes == 4 * 16 * 192 * 4 + 4
+    assert light.seconds(2, 1000, 1e9) == pytest.approx(3e-6 + 2 * light.OP_SECONDS)
 
 
 class CacheBlock(nn.Module):
@@ -530,7 +561,7 @@ def test_repeated_casts_of_an_activation_are_saved_once_and_stay_exact(bump):
     assert report["on_demand_fetches"] == 0
 
 
-@pytest.mark.parametrize("recompute", [False, True], ids=["paged", "recomputed"])
+@pytest.mark.parametrize("recompute", [False, True, "light"], ids=["paged", "recomputed", "light"])
 def test_hugging_face_llama_under_autocast_pages_bit_exactly(recompute):
     transformers = pytest.importorskip("transformers")
 
@@ -545,7 +576,8 @@ def test_hugging_face_llama_under_autocast_pages_bit_exactly(recompute):
         if opt.activation_pager is not None:
             opt.activation_pager.min_bytes = 0  # page this small model's activations too
             if recompute:  # layer 0 paged, layers 1 and 2 recomputed (with the layers' keyword arguments)
-                opt.activation_pager._apply_plan(Plan(1, 2, "test", recomputed=(1, 2)))
+                ways = {"light": (1, 2)} if recompute == "light" else {"recomputed": (1, 2)}
+                opt.activation_pager._apply_plan(Plan(1, 2, "test", **ways))
         g = torch.Generator().manual_seed(1)
         losses = []
         for _ in range(3):

@@ -62,15 +62,18 @@ def test_paging_is_bit_exact(dtype):
         assert all(torch.equal(a, b) for a, b in zip(grads_a, grads_b))
 
 
+@pytest.mark.parametrize("light", [False, True], ids=["whole", "light"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32-autocast", "bf16-weights"])
-def test_recomputed_blocks_are_bit_exact(dtype):
+def test_recomputed_blocks_are_bit_exact(dtype, light):
     # block 0 paged, block 1 recomputed from its paged input, block 2 kept, 3 to 5 recomputed
+    # (lightly: their matmuls' and attention's outputs kept)
     ref, ref_peaks, _ = train_with_pager(dtype, None)
-    got, peaks, pager = train_with_pager(dtype, 1.0, plan=Plan(2, 5, "test", recomputed=(1, 3, 4, 5)))
+    got, peaks, pager = train_with_pager(dtype, 1.0, plan=Plan(2, 5, "test", **{
+        "light" if light else "recomputed": (1, 3, 4, 5)}))
     report = pager.report()
     print(pager.describe())
     print(f"peaks without the pager {[round(p / 1e6) for p in ref_peaks]} MB, with it {[round(p / 1e6) for p in peaks]} MB")
-    assert report["recomputed_blocks"] == 4 and report["on_demand_fetches"] == 0
+    assert report["light_blocks" if light else "recomputed_blocks"] == 4 and report["on_demand_fetches"] == 0
     assert max(peaks[1:]) < max(ref_peaks[1:])
     for (loss_a, grads_a), (loss_b, grads_b) in zip(ref, got):
         assert torch.equal(loss_a, loss_b)
@@ -160,7 +163,7 @@ def test_vram_budget_is_met_and_reported(recompute):
     assert report["d2h_GBps"] > 1 and report["forward_s"] > 0
 
 
-@pytest.mark.parametrize("recompute", [False, True], ids=["paged", "recomputed"])
+@pytest.mark.parametrize("recompute", [False, True, "light"], ids=["paged", "recomputed", "light"])
 def test_huggingface_llama_with_attention_mask_is_bit_exact(recompute):
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(vocab_size=1000, hidden_size=512, intermediate_size=1376,
@@ -173,7 +176,7 @@ def test_huggingface_llama_with_attention_mask_is_bit_exact(recompute):
         model = transformers.LlamaForCausalLM(config).to(DEVICE)
         pager = None if share is None else ActivationPager(model, device=DEVICE, share=share, vram_budget=None)
         if pager is not None and recompute:  # layers 0 and 1 paged, 2 and 3 recomputed (with keyword arguments)
-            pager._apply_plan(Plan(2, 3, "test", recomputed=(2, 3)))
+            pager._apply_plan(Plan(2, 3, "test", **{"light" if recompute == "light" else "recomputed": (2, 3)}))
         ids = tokens(0, batch=4, seq=256)
         mask = torch.ones_like(ids)
         mask[:, :17] = 0  # left padding

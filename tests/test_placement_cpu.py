@@ -290,10 +290,12 @@ def test_auto_placement_under_a_budget_mixes_and_trains_the_same_bits():
     assert "VRAM" in opt.describe()
 
 
-def test_a_budget_the_activations_must_meet_pages_or_recomputes_and_trains_the_same_bits():
+@pytest.mark.parametrize("light", [False, True], ids=["whole", "light-offered"])
+def test_a_budget_the_activations_must_meet_pages_or_recomputes_and_trains_the_same_bits(light):
     """The planner's activation choices (saved-tensor hooks, paged and recomputed blocks, and
     with them gradients no longer sent as bf16) carried out from the third step, under autocast
-    with clipping: the bits of an all-offloaded run with its own paging."""
+    with clipping: the bits of an all-offloaded run with its own paging. Light recompute, when
+    offered, is measured in the profiled steps."""
     g = torch.Generator().manual_seed(1)
     data = [[torch.randint(0, 97, (16, 65), generator=g)] for _ in range(5)]  # activations of 2 MiB
 
@@ -305,7 +307,8 @@ def test_a_budget_the_activations_must_meet_pages_or_recomputes_and_trains_the_s
     model, opt = big()
     weights = sum(p.numel() * 4 for p in model.parameters())
     budget = int(weights / 0.88)  # the weights and hardly anything else: activations must go
-    model, opt = trainstream.wrap(model, opt, max_grad_norm=1.0, vram_budget=budget)
+    model, opt = trainstream.wrap(model, opt, max_grad_norm=1.0, vram_budget=budget,
+                                  tuning=trainstream.Tuning(light_recompute=light))
     assert opt.activation_pager is not None and opt.activation_pager.deferred
     norms = train(model, opt, data, 1.0, autocast=True)
     report = opt.report()["placement"]
@@ -313,7 +316,11 @@ def test_a_budget_the_activations_must_meet_pages_or_recomputes_and_trains_the_s
     # (whether the hooks are on depends on their measured host time: a loaded machine may find
     # recomputing without them cheaper)
     assert report["state"] == "planned"
-    assert {"paged", "recomputed"} & set(report["blocks"])
+    assert {"paged", "recomputed", "recomputed lightly"} & set(report["blocks"])
+    offered = [b.light_bytes is not None for b in opt._profile.blocks]
+    assert offered == [light] * 3
+    if light:  # each block keeps its matmuls' outputs: less than all its activations, more than none
+        assert all(0 < b.light_bytes < b.bytes + b.cast_bytes and b.light_s > 0 for b in opt._profile.blocks)
     assert "paged" not in report["blocks"] or report["saved_tensor_hooks"]
     ref, ref_opt = big()
     ref, ref_opt = trainstream.wrap(ref, ref_opt, max_grad_norm=1.0,
@@ -475,3 +482,55 @@ def test_the_planner_turns_on_expandable_segments_unless_the_user_chose(monkeypa
     monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", calls.append)
     assert wrapping.expandable_segments() is turned_on
     assert calls == (["expandable_segments:True"] if turned_on else [])
+
+
+def lightly(profile: planner.Profile, kept: float = 0.4, seconds: float = 0.0003) -> planner.Profile:
+    """`profile` with light recompute offered: each block keeps `kept` of its activations besides
+    its inputs and reruns its cheap ops in `seconds`."""
+    return replace(profile, blocks=[replace(b, light_bytes=int(kept * b.bytes), light_s=seconds)
+                                    for b in profile.blocks])
+
+
+def test_light_recompute_is_taken_first_where_it_saves_enough_and_blocks_go_whole_after():
+    profile = lightly(replace(made_up_profile(host_ns=20.0, clipping=True), hook_s=0.040))
+    n = len(profile.params)
+    full = planner.peak_bytes(profile, planner.Plan(resident=n))
+    one = planner.Plan(resident=n, light=(3,))
+    block = profile.blocks[3]
+    assert full - planner.peak_bytes(profile, one) == block.bytes + block.cast_bytes - block.light_bytes - block.input_bytes
+    assert planner.step_seconds(profile, one)[1]["recompute_s"] == pytest.approx(0.0003)
+    # 3 GB: light recompute of a few blocks is enough, and costs far less than whole recomputes
+    plan = planner.plan_placement(profile, full - 3 * GB)
+    assert plan.fits and plan.light and not plan.recomputed and plan.resident == n
+    assert plan.step_terms["recompute_s"] < profile.blocks[0].forward_s
+    assert "recomputed lightly" in planner.describe(plan, profile)
+    assert planner.block_kinds(plan, len(profile.blocks)).count("recomputed lightly") == len(plan.light)
+    # a budget light recompute cannot meet (and no host memory to page into): blocks recomputed
+    # lightly before are recomputed whole
+    tight = planner.plan_placement(replace(profile, host_room=0), full - 8 * GB)
+    assert tight.fits and tight.recomputed
+    assert not set(tight.recomputed) & set(tight.light)
+    # not offered (Tuning(light_recompute=False)): the plan of before
+    plain = replace(profile, blocks=[replace(b, light_bytes=None, light_s=0.0) for b in profile.blocks])
+    assert planner.plan_placement(plain, full - 3 * GB).light == ()
+
+
+def test_a_lightly_recomputed_block_in_the_paged_range_pages_only_its_inputs():
+    profile = lightly(made_up_profile())
+    n = len(profile.params)
+    plan = planner.Plan(resident=n, hooks=True, paged=2, light=(1,))
+    block = profile.blocks[1]
+    assert planner.held_bytes(profile, plan, 1) == block.light_bytes
+    assert planner.paged_host_bytes(profile, plan) == profile.blocks[0].bytes + block.input_bytes
+    assert planner.held_bytes(profile, replace(plan, paged=1), 1) == block.light_bytes + block.input_bytes
+
+
+def test_light_recompute_is_not_offered_to_a_compiled_model():
+    model, opt = make()
+    weights = sum(p.numel() * 4 for p in model.parameters())
+    model, opt = trainstream.wrap(model, opt, max_grad_norm=1.0, vram_budget=10 * weights,
+                                  tuning=trainstream.Tuning(light_recompute=True))
+    block = model.blocks[1]
+    block._compiled_call_impl = block._call_impl  # what nn.Module.compile() leaves, without the compiling
+    train(model, opt, batches(3, 1), 1.0)
+    assert opt._profile.blocks and all(b.light_bytes is None for b in opt._profile.blocks)

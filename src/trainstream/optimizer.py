@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 
 from trainstream import placement as planner
+from trainstream.activations.light import seconds as light_seconds
 from trainstream.activations.plan import format_size
 from trainstream.distributed import local_shard
 from trainstream.errors import (GRAD_SCALER_MESSAGE, TrainingLoopError, UnsupportedSetupError, VramBudgetError,
@@ -481,6 +482,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
                     "weight streaming runs in eager mode: torch.compile would trace the streamed weights' "
                     "device tensors, whose memory comes and goes between blocks. Train this model uncompiled, "
                     "or give it a VRAM budget its weights fit (Tuning(streamed_blocks=0) stops streaming)")
+            if self._pager is not None and (wrappers or any(_compiled(m) for m in self._model.modules())):
+                self._pager.light_census = False  # light recompute is offered in eager mode only
             self._layout_gates(wrapped_by_compile=bool(wrappers))
         if torch.is_grad_enabled():
             if self._forwards == 0 and self._profiler is not None:
@@ -945,12 +948,15 @@ class OffloadedAdamW(torch.optim.Optimizer):
             prof = pager.profile
             casts = figures.block_cast_bytes or [0] * len(pager.blocks)
             tied = shared_outside(pager.blocks, self._model)
+            light = pager.light or [None] * len(pager.blocks)  # (kept bytes, cheap ops, bytes they write)
             blocks = [planner.BlockCost(b, i, t, c, weight_bytes=sum(p.numel() * p.element_size()
                                                                      for p in pager.blocks[j].parameters()),
-                                        streamable=j not in tied)
-                      for j, (b, i, t, c) in enumerate(zip(prof.block_bytes,
-                                                           prof.block_input_bytes or [0] * len(prof.block_bytes),
-                                                           prof.block_seconds, casts))]
+                                        streamable=j not in tied,
+                                        light_bytes=None if lt is None else lt[0],
+                                        light_s=0.0 if lt is None else light_seconds(lt[1], lt[2], self._bandwidths[2]))
+                      for j, (b, i, t, c, lt) in enumerate(zip(prof.block_bytes,
+                                                               prof.block_input_bytes or [0] * len(prof.block_bytes),
+                                                               prof.block_seconds, casts, light))]
         if pager is not None and pager.blocks:
             for j, block in enumerate(pager.blocks):
                 for p in block.parameters():
@@ -1025,9 +1031,10 @@ class OffloadedAdamW(torch.optim.Optimizer):
             # (without a host accumulator, the sums can only be in VRAM)
             s.sum_in_vram = summable and (wanted or not s.host.has_accumulator) and not s.streamed
         if pager is not None and pager.deferred:
-            if plan.hooks or plan.recomputed:
+            if plan.hooks or plan.recomputed or plan.light:
                 pager.reattach()
-                pager.apply(plan.paged if plan.hooks else 0, plan.recomputed, "placement planner", hooks=plan.hooks)
+                pager.apply(plan.paged if plan.hooks else 0, plan.recomputed, "placement planner", hooks=plan.hooks,
+                            light=plan.light, light_seconds=sum(self._profile.blocks[j].light_s for j in plan.light))
                 self.activation_pager = pager
             else:  # (a re-plan may need it again: _check_peak)
                 pager.remove()

@@ -58,6 +58,8 @@ class BlockCost:
     cast_bytes: int = 0  # autocast copies that the hooks recompute or save once; kept without hooks
     weight_bytes: int = 0  # its weights (trainable or not), which streaming takes off the device
     streamable: bool = True  # no weight of it is used outside it (tied weights stay)
+    light_bytes: int | None = None  # what light recompute keeps besides its inputs (None: not offered)
+    light_s: float = 0.0  # what light recompute adds to backward: the cheap ops run again
 
 
 @dataclass
@@ -97,6 +99,7 @@ class Plan:
     hooks: bool = False
     paged: int = 0  # leading blocks paged (a recomputed one: its inputs)
     recomputed: tuple[int, ...] = ()
+    light: tuple[int, ...] = ()  # blocks recomputed lightly: their matmuls' outputs kept
     streamed: int = 0  # the last blocks whose weights stream from host memory
     budget: int | None = None
     reserve: int = 0
@@ -108,7 +111,7 @@ class Plan:
     observed_peak: int | None = None  # set once a planned step has run
 
     def key(self) -> tuple:
-        return self.resident, self.vram_sums, self.hooks, self.paged, self.recomputed, self.streamed
+        return self.resident, self.vram_sums, self.hooks, self.paged, self.recomputed, self.light, self.streamed
 
 
 # ---------------------------------------------------------------------------------- bytes
@@ -137,8 +140,11 @@ def _vram_sum(profile: Profile, plan: Plan, i: int) -> bool:
 def held_bytes(profile: Profile, plan: Plan, j: int) -> int:
     """What block j keeps in VRAM from its forward to its backward under `plan`."""
     b = profile.blocks[j]
+    paged_inputs = plan.hooks and j < plan.paged  # (a recomputed block's inputs are paged with it)
     if j in plan.recomputed:  # (its autocast copies are recomputed with it, hooks or not)
-        return 0 if plan.hooks and j < plan.paged else b.input_bytes
+        return 0 if paged_inputs else b.input_bytes
+    if j in plan.light:  # the same, and the outputs of its matmuls and attention
+        return b.light_bytes + (0 if paged_inputs else b.input_bytes)
     if not plan.hooks:
         return b.bytes + b.cast_bytes
     if j < plan.paged:
@@ -228,9 +234,10 @@ def peak_bytes(profile: Profile, plan: Plan) -> int:
 
 
 def block_kinds(plan: Plan, blocks: int) -> list[str]:
-    """What the plan does with each block's activations: "paged", "recomputed" or "kept"."""
-    return ["paged" if plan.hooks and j < plan.paged else "recomputed" if j in plan.recomputed else "kept"
-            for j in range(blocks)]
+    """What the plan does with each block's activations: "paged", "recomputed", "recomputed
+    lightly" or "kept"."""
+    return ["paged" if plan.hooks and j < plan.paged else "recomputed" if j in plan.recomputed
+            else "recomputed lightly" if j in plan.light else "kept" for j in range(blocks)]
 
 
 def _paged_block_bytes(profile: Profile, plan: Plan) -> list[int]:
@@ -238,7 +245,7 @@ def _paged_block_bytes(profile: Profile, plan: Plan) -> list[int]:
     block's inputs."""
     if not plan.hooks or not profile.blocks:
         return []
-    return [profile.blocks[i].input_bytes if i in plan.recomputed else profile.blocks[i].bytes
+    return [profile.blocks[i].input_bytes if i in plan.recomputed + plan.light else profile.blocks[i].bytes
             for i in range(plan.paged)]
 
 
@@ -280,9 +287,15 @@ def _exposed_streaming_s(profile: Profile, plan: Plan) -> float:
     for j in streamed_blocks(profile, plan.streamed):
         copy = profile.blocks[j].weight_bytes / profile.h2d_bytes_per_s
         f = profile.blocks[j].forward_s
-        recomputed = f if plan.hooks and j in plan.recomputed else 0.0
+        recomputed = 0.0 if not plan.hooks else f if j in plan.recomputed else \
+            profile.blocks[j].light_s if j in plan.light else 0.0
         exposed += max(0.0, copy - f) + max(0.0, copy - 2 * f - recomputed)
     return exposed
+
+
+def recompute_seconds(profile: Profile, plan: Plan) -> float:
+    """What recomputing adds to backward: the recomputed blocks' forwards, the light ones' cheap ops."""
+    return sum(profile.blocks[j].forward_s for j in plan.recomputed) + sum(profile.blocks[j].light_s for j in plan.light)
 
 
 def step_seconds(profile: Profile, plan: Plan) -> tuple[float, dict]:
@@ -290,7 +303,7 @@ def step_seconds(profile: Profile, plan: Plan) -> tuple[float, dict]:
     is made of."""
     acc = profile.accumulation_steps
     params = profile.params
-    recompute = sum(profile.blocks[j].forward_s for j in plan.recomputed)
+    recompute = recompute_seconds(profile, plan)
     hooks = 0.0
     if plan.hooks:
         lean = plan.paged == 0 and profile.lean_hook_s is not None
@@ -396,13 +409,23 @@ def _candidates(profile: Profile, plan: Plan) -> list[tuple[str, Plan]]:
     if plan.paged < len(profile.blocks) and _host_holds(profile, paged):  # (host memory holds its copies)
         out.append((f"page block {plan.paged}", paged))
     # Recomputing a block needs no saved-tensor hooks of ours (it is torch's checkpointing): without
-    # them it also drops the block's autocast copies, as stock gradient checkpointing does.
-    gain = [(j, b.bytes + (0 if plan.hooks else b.cast_bytes) - b.input_bytes) for j, b in enumerate(profile.blocks)
-            if j not in plan.recomputed and (j >= plan.paged or not plan.hooks)]
-    gain = [(j, g) for j, g in gain if g > 0]
-    if gain:
-        j = min(gain, key=lambda jg: (profile.blocks[jg[0]].forward_s / jg[1], jg[0]))[0]
-        out.append((f"recompute block {j}", replace(plan, recomputed=tuple(sorted(plan.recomputed + (j,))))))
+    # them it also drops the block's autocast copies, as stock gradient checkpointing does. A
+    # block recomputed lightly may be recomputed whole later.
+    open_ = [j for j in range(len(profile.blocks))
+             if j not in plan.recomputed and (j >= plan.paged or not plan.hooks)]
+    for kind, field_, options in (("recompute block", "recomputed", open_),
+                                  ("recompute lightly block", "light",
+                                   [j for j in open_ if j not in plan.light and profile.blocks[j].light_bytes is not None])):
+        best = None
+        for j in options:
+            moved = replace(plan, light=tuple(k for k in plan.light if k != j))
+            moved = replace(moved, **{field_: tuple(sorted(getattr(moved, field_) + (j,)))})
+            gain = held_bytes(profile, plan, j) - held_bytes(profile, moved, j)
+            added = recompute_seconds(profile, moved) - recompute_seconds(profile, plan)
+            if gain > 0 and (best is None or (added / gain, j) < best[0]):
+                best = ((added / gain, j), moved)
+        if best is not None:
+            out.append((f"{kind} {best[0][1]}", best[1]))
     return out
 
 
@@ -480,6 +503,8 @@ def _give_back(profile: Profile, plan: Plan, limit: float, peak: int, seconds: f
             undo.append((f"keep {take} parameter(s) resident", replace(plan, resident=plan.resident + take, vram_sums=sums)))
         for j in plan.recomputed:
             undo.append((f"keep block {j}", replace(plan, recomputed=tuple(k for k in plan.recomputed if k != j))))
+        for j in plan.light:
+            undo.append((f"keep block {j}", replace(plan, light=tuple(k for k in plan.light if k != j))))
         if plan.paged:
             undo.append((f"keep block {plan.paged - 1} unpaged", replace(plan, paged=plan.paged - 1)))
         best = None
@@ -526,10 +551,11 @@ def describe(plan: Plan, profile: Profile, names: bool = False) -> str:
     ]
     if profile.blocks:
         kinds = block_kinds(plan, len(profile.blocks))
-        counts = {k: kinds.count(k) for k in ("kept", "paged", "recomputed") if kinds.count(k)}
+        counts = {k: kinds.count(k) for k in ("kept", "paged", "recomputed", "recomputed lightly") if kinds.count(k)}
         lines.append(f"activations: {len(kinds)} blocks, " + ", ".join(f"{v} {k}" for k, v in counts.items())
                      + ("; autocast weight copies recast in backward" if plan.hooks else
-                        "; no saved-tensor hooks" + (" (recomputing is torch's checkpointing)" if plan.recomputed else "")))
+                        "; no saved-tensor hooks" + (" (recomputing is torch's checkpointing)"
+                                                     if plan.recomputed or plan.light else "")))
         if plan.hooks and plan.paged:
             room = "" if profile.host_room is None else f" (host memory had room for {profile.host_room / GB:.2f} GB)"
             lines.append(f"host: {paged_host_bytes(profile, plan) / GB:.2f} GB for the paged activations{room}")

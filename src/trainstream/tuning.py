@@ -41,6 +41,9 @@ class Tuning:
     # Let activation plans recompute blocks in backward rather than page beyond what hides. False
     # pages only, for blocks whose forward must not run twice.
     recompute: bool = True
+    # Let the placement planner also recompute blocks lightly: torch's selective checkpointing,
+    # which keeps what the matmuls and attention computed and reruns only the cheap ops.
+    light_recompute: bool = False
     # With clipping, start offloaded updates before the global norm is known and redo them when it
     # clips (the same bits as waiting); False waits for the norm.
     speculative_clipping: bool = True
@@ -68,6 +71,7 @@ class Tuning:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "prefetch_depth" else 0):
                 raise ValueError(f"{name} must be an integer >= {1 if name == 'prefetch_depth' else 0}, got {value!r}")
-        for name in ("track_grad_norm", "recompute", "speculative_clipping", "pack_gradients", "upload_update_terms"):
+        for name in ("track_grad_norm", "recompute", "light_recompute", "speculative_clipping", "pack_gradients",
+                     "upload_update_terms"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")

@@ -12,6 +12,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from trainstream._native import _C
+from trainstream.activations import light as light_recompute
 from trainstream.activations import report as reporting
 from trainstream.activations.plan import Plan, Profile, format_size, find_blocks, plan_paging
 from trainstream.activations.report import StepFigures
@@ -171,6 +172,12 @@ class ActivationPager:
         self._input_bytes: list[int] = []  # per block, its tensor inputs in the timed forward
         self._inputs_seen: dict[int, weakref.ref] = {}  # their storages (one shared by blocks counts once)
         self._replaced_forwards: dict[int, object] = {}  # recomputed block -> its own forward attribute
+        # Light recompute's census (light.py), taken in the first profiled forward when asked for:
+        # per block, (bytes it would keep besides its inputs, its cheap ops, the bytes they write)
+        self.light_census = False
+        self.light: list[tuple[int, int, int]] | None = None
+        self._census: light_recompute.Census | None = None
+        self._census_now = False
         self._block_start = None
         self._timed = False  # the timed forward has finished: the next one ends profiling
         self._fresh_plan = False
@@ -227,6 +234,9 @@ class ActivationPager:
         # the first forward runs cold (allocator, kernels' first launches): time the second, or
         # (deferred) the one the placement profiler records
         self._timing = self._profiling and (self.time_next_forward if self.deferred else self._forwards > 0)
+        self._census_now = self.light_census and self._profiling and not self._timing and self.light is None
+        if self._census_now:
+            self.light = [(0, 0, 0)] * len(self.blocks)
         self.time_next_forward = False
         if self._timing and self.settle is not None:
             self.settle()
@@ -315,6 +325,9 @@ class ActivationPager:
             if self._timing:  # after the wait: time the block's own work
                 self._input_bytes[index] += self._new_input_bytes((args, kwargs))
                 self._block_start = mark(self.device)
+            if self._census_now:
+                self._census = light_recompute.Census()
+                self._census.__enter__()
         return hook
 
     def _is_static(self, key: int) -> bool:
@@ -335,10 +348,12 @@ class ActivationPager:
         return total
 
     # -------------------------------------------------------------------- recompute
-    def _recomputed_forward(self, index: int, forward):
+    def _recomputed_forward(self, index: int, forward, light: bool = False):
         """`forward` under non-reentrant checkpointing: in backward, the block's forward runs
         again (same inputs, same RNG state, same autocast state) and starts the prefetch of the
-        paged blocks before it."""
+        paged blocks before it. `light`: selective checkpointing (light.py), which reruns only
+        the cheap ops."""
+        options = {"context_fn": light_recompute.context} if light else {}
         def run(*args, **kwargs):
             if self._hooks_ctx is None or in_backward():
                 return forward(*args, **kwargs)
@@ -351,7 +366,7 @@ class ActivationPager:
                 if in_backward():
                     self._start_block_backward(index, generation)
                 return forward(*inner_args, **inner_kwargs)
-            return checkpoint(body, *args, use_reentrant=False, **kwargs)
+            return checkpoint(body, *args, use_reentrant=False, **options, **kwargs)
         return run
 
     def _warn_cache(self, index: int) -> None:
@@ -368,25 +383,26 @@ class ActivationPager:
         if self._profiling and self._timed:
             self._finish_profile()
 
-    def apply(self, paged: int, recomputed: tuple[int, ...], reason: str, hooks: bool = True) -> None:
-        """Pages blocks 0 .. paged-1 and recomputes `recomputed` from now on (the planner's choice).
-        Without `hooks`, nothing is paged and no saved tensor passes through a hook of ours: the
-        recomputed blocks are torch's checkpointing alone."""
+    def apply(self, paged: int, recomputed: tuple[int, ...], reason: str, hooks: bool = True,
+              light: tuple[int, ...] = (), light_seconds: float = 0.0) -> None:
+        """Pages blocks 0 .. paged-1, recomputes `recomputed` and recomputes `light` lightly from
+        now on (the planner's choice). Without `hooks`, nothing is paged and no saved tensor passes
+        through a hook of ours: the recomputed blocks are torch's checkpointing alone."""
         self.saved_tensor_hooks = hooks
         n = len(self.blocks)
+        full = sum(self.profile.block_seconds[i] for i in recomputed) if self.profile else 0.0
         self._apply_plan(Plan(paged_blocks=paged, pageable_blocks=n, reason=reason, recomputed=tuple(recomputed),
-                              recompute_seconds=sum(self.profile.block_seconds[i] for i in recomputed)
-                              if self.profile else 0.0))
+                              recompute_seconds=full + light_seconds, light=tuple(light)))
         self._fresh_plan = True
 
     def _apply_plan(self, plan: Plan) -> None:
         self.plan = plan
         self._paged_upto = plan.paged_blocks
         self._restore_forwards()
-        for i in plan.recomputed:
+        for i in plan.recomputed + plan.light:
             block = self.blocks[i]
             self._replaced_forwards[i] = block.__dict__.get("forward")
-            block.forward = self._recomputed_forward(i, block.forward)
+            block.forward = self._recomputed_forward(i, block.forward, light=i in plan.light)
 
     def _restore_forwards(self) -> None:
         for i, own in self._replaced_forwards.items():
@@ -401,6 +417,12 @@ class ActivationPager:
             return
         if self._timing and self._current is not None:
             self._times.append((self._current, self._block_start, mark(self.device)))
+        if self._census is not None:
+            census, self._census = self._census, None
+            census.__exit__(None, None, None)
+            kept, ops, written = self.light[self._current]
+            self.light[self._current] = (kept + census.kept_bytes, ops + census.redone_ops,
+                                         written + census.redone_bytes)
         self._current = None
         if torch.is_autocast_enabled(self.device.type):
             torch.clear_autocast_cache()  # its casts of this block's weights are recast in backward

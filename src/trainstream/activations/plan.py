@@ -72,7 +72,8 @@ class Plan:
     expected_peak_bytes: int | None = None
     budget_met: bool | None = None
     recomputed: tuple[int, ...] = ()  # blocks whose forward runs again in backward (checkpointed)
-    recompute_seconds: float = 0.0  # their forward time, added to backward
+    recompute_seconds: float = 0.0  # their forward time, added to backward (light ones' cheap ops)
+    light: tuple[int, ...] = ()  # blocks whose cheap ops run again in backward (light.py)
 
 
 def plan_paging(profile: Profile, *, share: float | None = None, vram_budget: int | None = None,

@@ -34,6 +34,7 @@ def report(pager) -> dict:
         "state": "profiling" if pager._profiling else "paging",
         "paged_blocks": pager._paged_upto,
         "recomputed_blocks": len(plan.recomputed) if plan else 0,
+        "light_blocks": len(plan.light) if plan else 0,  # recomputed lightly (light.py)
         "pageable_blocks": len(pager.blocks) - pager.keep_last,
         "decision": plan.reason if plan else "profiling: every pageable block paged",
         "paged_bytes_per_step": figures.paged_bytes,
@@ -67,10 +68,12 @@ def report(pager) -> dict:
 def describe(pager) -> str:
     """The report as a few readable lines."""
     r = pager.report()
-    recomputed = f", {r['recomputed_blocks']} recomputed" if r["recomputed_blocks"] else ""
+    light = f", {r['light_blocks']} recomputed lightly (matmul and attention outputs kept)" if r["light_blocks"] else ""
+    recomputed = (f", {r['recomputed_blocks']} recomputed" if r["recomputed_blocks"] else "") + light
     if not pager.saved_tensor_hooks:
         return (f"activations over {r['blocks']}: {r['recomputed_blocks']} blocks recomputed in backward (torch's "
-                f"checkpointing, autocast copies included), the rest kept; no saved-tensor hooks ({r['decision']})")
+                f"checkpointing, autocast copies included){light}, the rest kept; no saved-tensor hooks "
+                f"({r['decision']})")
     lines = [f"activation paging over {r['blocks']}: {r['paged_blocks']} paged{recomputed} ({r['decision']})",
              (f"  per step: {r['paged_bytes_per_step'] / GB:.2f} GB paged, "
               f"{r['recast_bytes_per_step'] / GB:.2f} GB of weight casts recomputed, "
@@ -84,9 +87,9 @@ def describe(pager) -> str:
         lines.append(f"  copies {r['copy_s_per_step'] * 1e3:.1f} ms each way at {r['d2h_GBps']:.1f}/"
                      f"{r['h2d_GBps']:.1f} GB/s vs forward {r['forward_s'] * 1e3:.1f} ms: "
                      f"{'hidden' if r['copy_hidden'] else 'partly exposed'}")
-        if r["recomputed_blocks"]:
-            lines.append(f"  recomputing {r['recomputed_blocks']} blocks adds {r['recompute_s'] * 1e3:.1f} ms "
-                         f"of forward compute to backward")
+        if r["recomputed_blocks"] or r["light_blocks"]:
+            lines.append(f"  recomputing {r['recomputed_blocks'] + r['light_blocks']} blocks adds "
+                         f"{r['recompute_s'] * 1e3:.1f} ms of forward compute to backward")
         if not r["copy_hidden"] and r["paged_bytes_per_step"]:
             if pager.vram_budget is None:
                 hint = "a vram_budget pages only what hides and recomputes blocks for the rest, which costs less"

@@ -1,0 +1,80 @@
+"""Light recompute: a block checkpointed with torch's selective checkpointing, so that backward
+reruns only its cheap ops (norms, activations, rotary embeddings, casts, residual adds) and
+reuses what its matmuls and attention computed in forward. Its activations shrink to its inputs
+and those outputs for a small fraction of the block's forward time. Recomputed ops see the same
+inputs and run the same kernels, so training keeps its bits.
+
+The census measures, in one forward, what light recompute of each block would keep and redo."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+# ops whose outputs are kept: the expensive ones (their time is the block's)
+_SAVED_NAMES = ("mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "convolution", "_scaled_dot_product_flash_attention",
+                "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+                "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_fused_attention_overrideable",
+                "_flash_attention_forward", "_efficient_attention_forward")
+SAVED_OPS = frozenset(getattr(torch.ops.aten, name).default for name in _SAVED_NAMES
+                      if hasattr(torch.ops.aten, name) and hasattr(getattr(torch.ops.aten, name), "default"))
+OP_SECONDS = 4e-6  # what one recomputed elementwise kernel costs beyond its bytes (a launch)
+
+
+def kept(func) -> bool:
+    """Whether light recompute keeps `func`'s output: a matmul or attention. Random ops run again,
+    all of them, from the random state checkpointing restores: they draw the same values."""
+    return func in SAVED_OPS
+
+
+def _policy(ctx, func, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if kept(func) else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+context = functools.partial(create_selective_checkpoint_contexts, _policy)
+
+
+def _storages(tree) -> list[torch.Tensor]:
+    out = []
+    for t in tree if isinstance(tree, (tuple, list)) else (tree,):
+        if isinstance(t, torch.Tensor):
+            out.append(t)
+        elif isinstance(t, (tuple, list)):
+            out.extend(_storages(t))
+    return out
+
+
+class Census(TorchDispatchMode):
+    """Inside one block's forward: the bytes of the outputs light recompute keeps (each storage
+    once), and the ops it would run again with the bytes they write (views write nothing)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kept: dict[int, int] = {}
+        self.redone_ops = 0
+        self.redone_bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in _storages(list(args) + list((kwargs or {}).values()))}
+        fresh = [t for t in _storages(out) if t.untyped_storage().data_ptr() not in inputs]
+        if kept(func):
+            for t in fresh:
+                self.kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        elif fresh:
+            self.redone_ops += 1
+            self.redone_bytes += sum(t.untyped_storage().nbytes() for t in fresh)
+        return out
+
+    @property
+    def kept_bytes(self) -> int:
+        return sum(self.kept.values())
+
+
+def seconds(ops: int, written: int, device_bytes_per_s: float) -> float:
+    """What rerunning a block's cheap ops costs: each reads about twice what it writes, at the
+    device's bandwidth, plus a launch each."""
+    return 3 * written / device_bytes_per_s + OP_SECONDS * ops
