@@ -290,12 +290,14 @@ def test_auto_placement_under_a_budget_mixes_and_trains_the_same_bits():
     assert "VRAM" in opt.describe()
 
 
-@pytest.mark.parametrize("light", [False, True], ids=["whole", "light-offered"])
-def test_a_budget_the_activations_must_meet_pages_or_recomputes_and_trains_the_same_bits(light):
+@pytest.mark.parametrize("tuning", [{}, dict(light_recompute=True), dict(recompute=False)],
+                         ids=["whole", "light-offered", "page-only"])
+def test_a_budget_the_activations_must_meet_pages_or_recomputes_and_trains_the_same_bits(tuning):
     """The planner's activation choices (saved-tensor hooks, paged and recomputed blocks, and
     with them gradients no longer sent as bf16) carried out from the third step, under autocast
     with clipping: the bits of an all-offloaded run with its own paging. Light recompute, when
-    offered, is measured in the profiled steps."""
+    offered, is measured in the profiled steps; Tuning(recompute=False) recomputes nothing."""
+    light = tuning.get("light_recompute", False)
     g = torch.Generator().manual_seed(1)
     data = [[torch.randint(0, 97, (16, 65), generator=g)] for _ in range(5)]  # activations of 2 MiB
 
@@ -308,7 +310,7 @@ def test_a_budget_the_activations_must_meet_pages_or_recomputes_and_trains_the_s
     weights = sum(p.numel() * 4 for p in model.parameters())
     budget = int(weights / 0.88)  # the weights and hardly anything else: activations must go
     model, opt = trainstream.wrap(model, opt, max_grad_norm=1.0, vram_budget=budget,
-                                  tuning=trainstream.Tuning(light_recompute=light))
+                                  tuning=trainstream.Tuning(**tuning))
     assert opt.activation_pager is not None and opt.activation_pager.deferred
     norms = train(model, opt, data, 1.0, autocast=True)
     report = opt.report()["placement"]
@@ -317,6 +319,8 @@ def test_a_budget_the_activations_must_meet_pages_or_recomputes_and_trains_the_s
     # recomputing without them cheaper)
     assert report["state"] == "planned"
     assert {"paged", "recomputed", "recomputed lightly"} & set(report["blocks"])
+    if tuning.get("recompute") is False:
+        assert not opt.plan.recomputed and not opt.plan.light
     offered = [b.light_bytes is not None for b in opt._profile.blocks]
     assert offered == [light] * 3
     if light:  # each block keeps its matmuls' outputs: less than all its activations, more than none
@@ -534,3 +538,12 @@ def test_light_recompute_is_not_offered_to_a_compiled_model():
     block._compiled_call_impl = block._call_impl  # what nn.Module.compile() leaves, without the compiling
     train(model, opt, batches(3, 1), 1.0)
     assert opt._profile.blocks and all(b.light_bytes is None for b in opt._profile.blocks)
+
+
+def test_blocks_that_must_not_run_twice_are_never_recomputed():
+    profile = lightly(replace(made_up_profile(), hook_s=0.040))  # (recomputing is the cheapest move here)
+    full = planner.peak_bytes(profile, planner.Plan(resident=len(profile.params)))
+    assert planner.plan_placement(profile, full - 3 * GB).light
+    plan = planner.plan_placement(replace(profile, recompute=False), full - 3 * GB)  # Tuning(recompute=False)
+    assert plan.fits and not plan.recomputed and not plan.light
+    assert not planner.smallest_plan(replace(profile, recompute=False)).recomputed

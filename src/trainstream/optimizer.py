@@ -996,7 +996,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
             lean_hook_s=lean_hook_s,
             weight_bytes=sum(p.numel() * p.element_size() for p in self._model.parameters()),
             fixed_activations=not deferred, streamed=self._streamed_count() if blocks else 0,
-            stream_depth=self._prefetch_depth,
+            stream_depth=self._prefetch_depth, recompute=pager is None or pager.recompute,
             host_room=None if math.isinf(room := self._host_room()) else int(room) + self._paging_slot_bytes())
 
     def _streamed_count(self) -> int:

@@ -86,6 +86,7 @@ class Profile:
     streamed: int = 0  # the last blocks whose weights the profiled steps streamed (they stay streamed)
     stream_depth: int = 1  # streamed blocks fetched ahead of the one in use (Tuning.prefetch_depth)
     host_room: int | None = None  # host bytes paged activations may take (pinned slots already held included)
+    recompute: bool = True  # blocks may run their forward again (Tuning(recompute=False): never)
 
 
 @dataclass
@@ -412,7 +413,7 @@ def _candidates(profile: Profile, plan: Plan) -> list[tuple[str, Plan]]:
     # them it also drops the block's autocast copies, as stock gradient checkpointing does. A
     # block recomputed lightly may be recomputed whole later.
     open_ = [j for j in range(len(profile.blocks))
-             if j not in plan.recomputed and (j >= plan.paged or not plan.hooks)]
+             if profile.recompute and j not in plan.recomputed and (j >= plan.paged or not plan.hooks)]
     for kind, field_, options in (("recompute block", "recomputed", open_),
                                   ("recompute lightly block", "light",
                                    [j for j in open_ if j not in plan.light and profile.blocks[j].light_bytes is not None])):
@@ -532,7 +533,7 @@ def smallest_plan(profile: Profile) -> Plan:
         return Plan(resident=0, hooks=profile.profiled_hooks, paged=profile.profiled_paged,
                     streamed=streamable(profile))
     plan = Plan(resident=0, hooks=True, paged=n, streamed=streamable(profile),
-                recomputed=tuple(j for j, b in enumerate(profile.blocks) if b.bytes > b.input_bytes))
+                recomputed=tuple(j for j, b in enumerate(profile.blocks) if b.bytes > b.input_bytes and profile.recompute))
     while not _host_holds(profile, plan):  # as many leading blocks paged as host memory holds
         plan = replace(plan, paged=plan.paged - 1)
     return plan
