@@ -288,6 +288,36 @@ def test_the_census_counts_what_light_recompute_keeps_and_reruns():
     assert light.seconds(2, 1000, 1e9) == pytest.approx(3e-6 + 2 * light.OP_SECONDS)
 
 
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "autocast"])
+def test_the_census_counts_what_selective_checkpointing_keeps_of_a_llama_layer(autocast):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=352, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=4, use_cache=False)
+    model = transformers.LlamaForCausalLM(config)
+    layer = model.model.layers[0]
+    x = torch.randn(2, 64, 128, requires_grad=True)
+    rotary = model.model.rotary_emb(x, torch.arange(64)[None])
+    contexts = []
+
+    def context():
+        contexts.append(light.context())
+        return contexts[-1]
+
+    census = light.Census()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        with census:
+            layer(x, position_embeddings=rotary)
+        checkpoint(lambda h: layer(h, position_embeddings=rotary), x, use_reentrant=False, context_fn=context)
+    cache = getattr(contexts[0][0], "storage", None)  # (torch's own record of what it keeps)
+    if cache is None:
+        pytest.skip("this torch keeps its selective checkpointing cache elsewhere")
+    kept = {w.val.untyped_storage().data_ptr(): w.val.untyped_storage().nbytes()
+            for entries in cache.values() for v in entries.values() for w in (v if isinstance(v, tuple) else (v,))
+            if isinstance(getattr(w, "val", None), torch.Tensor)}
+    assert census.kept_bytes == sum(kept.values()) > 0
+    assert census.redone_ops > 10
+
+
 class CacheBlock(nn.Module):
     def __init__(self):
         super().__init__()

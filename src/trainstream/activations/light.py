@@ -48,30 +48,28 @@ def _storages(tree) -> list[torch.Tensor]:
 
 
 class Census(TorchDispatchMode):
-    """Inside one block's forward: the bytes of the outputs light recompute keeps (each storage
-    once), and the ops it would run again with the bytes they write (views write nothing)."""
+    """Inside one block's forward: the bytes of the outputs light recompute keeps, and the ops it
+    would run again with the bytes they write (views write nothing). Every kept op's output is a
+    storage of its own, alive until backward: summed, not told apart by address (a freed one's
+    address is reused)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.kept: dict[int, int] = {}
+        self.kept_bytes = 0
         self.redone_ops = 0
         self.redone_bytes = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         inputs = {t.untyped_storage().data_ptr() for t in _storages(list(args) + list((kwargs or {}).values()))}
-        fresh = [t for t in _storages(out) if t.untyped_storage().data_ptr() not in inputs]
+        fresh = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in _storages(out)}
+        written = sum(n for key, n in fresh.items() if key not in inputs)
         if kept(func):
-            for t in fresh:
-                self.kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        elif fresh:
+            self.kept_bytes += written
+        elif written:
             self.redone_ops += 1
-            self.redone_bytes += sum(t.untyped_storage().nbytes() for t in fresh)
+            self.redone_bytes += written
         return out
-
-    @property
-    def kept_bytes(self) -> int:
-        return sum(self.kept.values())
 
 
 def seconds(ops: int, written: int, device_bytes_per_s: float) -> float:
