@@ -157,13 +157,14 @@ def block_bytes_of(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.blocks[0].parameters())
 
 
+@pytest.mark.parametrize("how", ["recomputed", "light"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_a_recomputed_block_uses_one_copy_for_its_recompute_and_backward(device):
+def test_a_recomputed_block_uses_one_copy_for_its_recompute_and_backward(device, how):
     torch.manual_seed(0)
     base = TinyLM(layers=4)
 
-    def recompute(model, opt):  # blocks 1 to 3 recomputed in backward
-        opt.activation_pager._apply_plan(Plan(0, 4, "test", recomputed=(1, 2, 3)))
+    def recompute(model, opt):  # blocks 1 to 3 recomputed in backward (whole, or lightly)
+        opt.activation_pager._apply_plan(Plan(0, 4, "test", **{how: (1, 2, 3)}))
 
     kwargs = dict(wrap_kwargs={"activations": 1.0}, setup=recompute)
     kept = train(base, device, streamed=0, **kwargs)
