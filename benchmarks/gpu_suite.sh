@@ -23,7 +23,7 @@ if has build; then
     && (cd /tmp/ts-build && ctest 2>&1 | tail -3) | tee -a "$out/build.log"
 fi
 if has tests; then  # the GPU's own tests (CI runs the rest on every change)
-  (cd /tmp && python3 -m pytest "$repo/tests" -q -ra -m gpu 2>&1) | tee "$out/pytest.log" | tail -25
+  (cd /tmp && python3 -m pytest "$repo/tests" -q -ra -m gpu --durations=25 2>&1) | tee "$out/pytest.log" | tail -50
 fi
 if has verify; then
   python3 "$repo/examples/verify_ram_offload.py" 2>&1 | tee "$out/verify.log" | tail -22

@@ -37,13 +37,13 @@ def _policy(ctx, func, *args, **kwargs):
 context = functools.partial(create_selective_checkpoint_contexts, _policy)
 
 
-def _storages(tree) -> list[torch.Tensor]:
+def _tensors(tree) -> list[torch.Tensor]:
     out = []
     for t in tree if isinstance(tree, (tuple, list)) else (tree,):
         if isinstance(t, torch.Tensor):
             out.append(t)
         elif isinstance(t, (tuple, list)):
-            out.extend(_storages(t))
+            out.extend(_tensors(t))
     return out
 
 
@@ -61,8 +61,8 @@ class Census(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage().data_ptr() for t in _storages(list(args) + list((kwargs or {}).values()))}
-        fresh = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in _storages(out)}
+        inputs = {t.untyped_storage().data_ptr() for t in _tensors(list(args) + list((kwargs or {}).values()))}
+        fresh = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in _tensors(out)}
         written = sum(n for key, n in fresh.items() if key not in inputs)
         if kept(func):
             self.kept_bytes += written
