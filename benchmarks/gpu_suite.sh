@@ -67,6 +67,7 @@ fi
 if has light; then  # light recompute offered to the planner, against the plan without it, under caps
   python3 "$repo/benchmarks/budget_sweep.py" --accs 1 --caps none,20,16,12 --ours trainstream,trainstream+light \
     --peers gpu-adamw --no-deepspeed --json "$out/sweep_light.json" 2>&1 | grep -A14 "^NVIDIA"
+  python3 "$repo/benchmarks/plan_accuracy.py" --vram-budget 20GB --light --json "$out/plan_accuracy_light.json" 2>&1 | tail -16
 fi
 if has timeline; then  # one accumulation window, forward by backward, against GPU AdamW
   for mode in gpu-adamw trainstream+vramacc; do

@@ -7,7 +7,7 @@ wrap()s the model of train_step.py's flags with max_grad_norm and the budget (no
 variation must be able to run), trains until the plan is made, then applies the chosen plan and
 variations of it: every parameter resident, none of its blocks recomputed, only the LM head
 offloaded, half the parameters offloaded, half the blocks recomputed, the saved-tensor hooks on
-with nothing paged, and last (streaming cannot be undone) a quarter, half and all of the blocks' weights streamed. For each: the planner's
+with nothing paged, with --light half and all of the blocks recomputed lightly, and last (streaming cannot be undone) a quarter, half and all of the blocks' weights streamed. For each: the planner's
 expected step time and peak (placement.step_seconds and peak_bytes on the run's profile) against
 the measured ones, after --warmup steps, over --steps.
 """
@@ -44,6 +44,10 @@ def variations(profile: planner.Profile, chosen: planner.Plan) -> list[tuple[str
         out.append(("everything resident, hooks on, nothing paged", replace(chosen, resident=n, recomputed=(),
                                                                             hooks=True, paged=0)))
         out.append(("chosen, hooks on, nothing paged", replace(chosen, hooks=True, paged=0)))
+        if all(b.light_bytes is not None for b in profile.blocks):  # (--light)
+            for k in (blocks // 2, blocks):
+                out.append((f"everything resident, {k} blocks recomputed lightly",
+                            replace(chosen, resident=n, recomputed=(), light=tuple(range(k)))))
     for k in sorted({max(1, blocks // 4), blocks // 2, blocks} - {0}):
         streamed = replace(chosen, streamed=max(k, chosen.streamed))
         # (a streamed block's parameters are offloaded: the planner counts them so)
@@ -60,6 +64,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a run of the script itself (no peaks)")
+    ap.add_argument("--light", action="store_true", help="offer light recompute (Tuning(light_recompute=True))")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     device = torch.device(args.device)
@@ -71,7 +76,7 @@ def main(argv=None) -> int:
     model = train_step.build_model(args, device.type)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
     model, opt = trainstream.wrap(model, opt, max_grad_norm=args.clip, accumulation_steps=args.acc,
-                                  vram_budget=args.vram_budget)
+                                  vram_budget=args.vram_budget, tuning=trainstream.Tuning(light_recompute=args.light))
     tokens = torch.randint(0, args.vocab, (args.batch, args.seq), device=device)
 
     def steps(count: int) -> None:
@@ -100,7 +105,8 @@ def main(argv=None) -> int:
         steps(args.steps)
         measured = (time.perf_counter() - t0) / args.steps
         row = {"variation": name, "resident_params": sum(s.resident for s in opt._order),
-               "recomputed_blocks": len(plan.recomputed), "streamed_blocks": plan.streamed,
+               "recomputed_blocks": len(plan.recomputed), "light_blocks": len(plan.light),
+               "streamed_blocks": plan.streamed,
                "expected_step_s": expected, "step_s": measured, "step_terms": terms,
                "expected_peak_GB": planner.peak_bytes(profile, plan) / 1e9,
                "peak_GB": torch.cuda.max_memory_allocated() / 1e9 if cuda else None}

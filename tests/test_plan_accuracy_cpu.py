@@ -15,8 +15,8 @@ TINY = ["--device", "cpu", "--hidden", "64", "--layers", "4", "--heads", "4", "-
 
 def test_every_variation_is_applied_and_measured(tmp_path):
     out = tmp_path / "plan_accuracy.json"
-    done = subprocess.run([sys.executable, str(SCRIPT), *TINY, "--json", str(out)], capture_output=True, text=True,
-                          timeout=600)
+    done = subprocess.run([sys.executable, str(SCRIPT), *TINY, "--light", "--json", str(out)], capture_output=True,
+                          text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     rows = {r["variation"]: r for r in json.loads(out.read_text())["results"]}
     everything = rows["everything resident, nothing recomputed"]
@@ -27,6 +27,9 @@ def test_every_variation_is_applied_and_measured(tmp_path):
     assert rows["every parameter resident, 2 blocks recomputed"]["recomputed_blocks"] == 2
     hooked = rows["everything resident, hooks on, nothing paged"]
     assert hooked["resident_params"] == params and hooked["step_terms"]["hooks_s"] > 0
+    light = [r for name, r in rows.items() if "recomputed lightly" in name]
+    assert [(r["light_blocks"], r["resident_params"]) for r in light] == [(2, params), (4, params)]
+    assert light[1]["step_terms"]["recompute_s"] > light[0]["step_terms"]["recompute_s"] > 0
     streamed = [r for name, r in rows.items() if "weights streamed" in name]
     assert [r["streamed_blocks"] for r in streamed] == [1, 2, 4]
     assert [r["resident_params"] for r in streamed] == sorted((r["resident_params"] for r in streamed), reverse=True)
