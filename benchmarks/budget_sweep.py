@@ -51,6 +51,7 @@ def run(mode: str, args, cap_gb: float | None) -> dict:
     if report is not None:
         result["placement"] = summary(report["placement"])
         result["plan"] = {k: report["placement"].get(k) for k in ("expected_step_s", "step_terms", "moves", "profile",
+                                                                  "recomputed", "recomputed_lightly",
                                                                   "blocks", "resident_params", "streamed_blocks")}
     result["cap_GB"] = cap_gb
     print(json.dumps({k: v for k, v in result.items() if k != "plan"}), flush=True)

@@ -9,7 +9,8 @@ variations of it: every parameter resident, none of its blocks recomputed, only 
 offloaded, half the parameters offloaded, half the blocks recomputed, the saved-tensor hooks on
 with nothing paged, with --light half and all of the blocks recomputed lightly, and last (streaming cannot be undone) a quarter, half and all of the blocks' weights streamed. For each: the planner's
 expected step time and peak (placement.step_seconds and peak_bytes on the run's profile) against
-the measured ones, after --warmup steps, over --steps.
+the measured ones, after --warmup steps, over --steps, and what the step cannot beat
+(placement.bound_seconds).
 """
 
 from __future__ import annotations
@@ -108,6 +109,7 @@ def main(argv=None) -> int:
                "recomputed_blocks": len(plan.recomputed), "light_blocks": len(plan.light),
                "streamed_blocks": plan.streamed,
                "expected_step_s": expected, "step_s": measured, "step_terms": terms,
+               "bound": planner.bound_seconds(profile, plan),
                "expected_peak_GB": planner.peak_bytes(profile, plan) / 1e9,
                "peak_GB": torch.cuda.max_memory_allocated() / 1e9 if cuda else None}
         print(json.dumps({k: v for k, v in row.items() if k != "step_terms"}), flush=True)

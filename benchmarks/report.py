@@ -28,6 +28,8 @@ import statistics
 import sys
 from pathlib import Path
 
+from trainstream import placement as planner
+
 ROOT = Path(__file__).resolve().parents[1]
 DOCUMENTS = ("README.md", "docs/benchmarks.md", "docs/architecture.md")
 MARKER = re.compile(r"(<!-- results:([\w-]+) -->\n)(.*?)(<!-- /results:\2 -->)", re.S)
@@ -149,21 +151,19 @@ def sweep_table(record: dict) -> str:
                         caption([("", record)])])
 
 
-def streaming_bound(plan: dict) -> dict:
-    """What a step cannot beat, from the plan's profile: the GPU's forward, backward and
-    recomputes, the host engine's updates of the offloaded parameters, and each streamed block's
-    weights crossing twice (forward, then backward) at the measured pinned bandwidth."""
-    profile = plan["profile"]
-    blocks = profile["blocks"]
-    recomputed = [j for j, kind in enumerate(plan["blocks"] or []) if kind == "recomputed"]
-    streamed = plan["streamed_blocks"] or 0
-    light = [j for j, kind in enumerate(plan["blocks"] or []) if kind == "recomputed lightly"]
-    gpu = (profile["forward_s"] + profile["backward_s"] + sum(blocks[j]["forward_s"] for j in recomputed)
-           + sum(blocks[j].get("light_s", 0.0) for j in light))
-    host = profile["host_s_per_param"] * sum(p["numel"] for p in profile["params"][plan["resident_params"]:])
-    copies = 2 * sum(b["weight_bytes"] for b in blocks[len(blocks) - streamed:]) / profile["h2d_bytes_per_s"] \
-        if streamed else 0.0
-    return {"gpu_s": gpu, "host_s": host, "copies_s": copies, "bound_s": max(gpu, host, copies)}
+def streaming_bound(placement: dict) -> dict:
+    """What a step cannot beat (placement.bound_seconds), for a recorded report()["placement"].
+    Files from before the report listed the recomputed blocks take them from the block kinds
+    (which show a recomputed block in the paged range as paged)."""
+    kinds = placement["blocks"] or []
+
+    def which(key: str, kind: str) -> tuple[int, ...]:
+        recorded = placement.get(key)
+        return tuple(recorded if recorded is not None else (j for j, k in enumerate(kinds) if k == kind))
+
+    plan = planner.Plan(resident=placement["resident_params"], streamed=placement["streamed_blocks"] or 0,
+                        recomputed=which("recomputed", "recomputed"), light=which("recomputed_lightly", "recomputed lightly"))
+    return planner.bound_seconds(planner.profile_from(placement["profile"]), plan)
 
 
 def stream_price(name: str):
@@ -230,14 +230,19 @@ def plan_accuracy(name: str):
     """plan_accuracy.py: the planner's expected step time and peak beside the measured ones."""
     def render(results: Path) -> str:
         record = load(results, name)
+        bounded = all("bound" in r for r in record["results"])  # (files from before the bound was recorded lack it)
         rows = [[r["variation"], str(r["resident_params"]), str(r["recomputed_blocks"]),
                  s(r["expected_step_s"]), s(r["step_s"]), f"{r['step_s'] / r['expected_step_s']:.2f}",
-                 gb(r["expected_peak_GB"]), gb(r["peak_GB"])] for r in record["results"]]
+                 gb(r["expected_peak_GB"]), gb(r["peak_GB"])]
+                + ([f"{r['step_s'] / r['bound']['bound_s']:.2f}x"] if bounded else []) for r in record["results"]]
         a = record["args"]
         intro = (f"{model_words(a, record.get('params'))}, `max_grad_norm={a['clip']}`, `vram_budget=\"{a['vram_budget']}\"`: the "
-                 f"plan wrap() chose and variations of it, applied one after another in one process.")
+                 f"plan wrap() chose and variations of it, applied one after another in one process."
+                 + (" The bound is what the step cannot beat: the largest of the GPU's work, the host's updates and "
+                    "the streamed weights' copies." if bounded else ""))
         table = markdown_table(["plan", "resident params", "blocks recomputed", "expected step", "measured",
-                                "measured / expected", "expected peak", "peak"], rows)
+                                "measured / expected", "expected peak", "peak"] + (["step / bound"] if bounded else []),
+                               rows)
         return "\n\n".join([intro, table, caption([("", record)])])
     return render
 

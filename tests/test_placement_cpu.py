@@ -11,8 +11,9 @@ from __future__ import annotations
 import copy
 import importlib
 import io
+import json
 import logging
-from dataclasses import replace
+from dataclasses import asdict, replace
 
 import pytest
 import torch
@@ -547,3 +548,15 @@ def test_blocks_that_must_not_run_twice_are_never_recomputed():
     plan = planner.plan_placement(replace(profile, recompute=False), full - 3 * GB)  # Tuning(recompute=False)
     assert plan.fits and not plan.recomputed and not plan.light
     assert not planner.smallest_plan(replace(profile, recompute=False)).recomputed
+
+
+def test_a_recorded_profile_reads_back_and_bounds_a_step():
+    profile = lightly(made_up_profile(blocks=4))
+    recorded = json.loads(json.dumps(asdict(profile)))  # report()["placement"]["profile"], saved as JSON
+    assert planner.profile_from(recorded) == profile
+    plan = planner.Plan(resident=0, streamed=2, light=(0,))
+    bound = planner.bound_seconds(profile, plan)
+    assert bound["gpu_s"] == pytest.approx(0.025 + 0.050 + 0.0003)
+    assert bound["host_s"] == pytest.approx(sum(p.numel for p in profile.params) * 0.25e-9)
+    assert bound["copies_s"] == 0.0  # (the made-up blocks record no weights)
+    assert bound["bound_s"] == max(bound["gpu_s"], bound["host_s"])

@@ -7,7 +7,10 @@ import json
 import shutil
 import subprocess
 import sys
+from dataclasses import asdict
 from pathlib import Path
+
+from trainstream import placement as planner
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "report.py"
@@ -70,12 +73,15 @@ def test_the_streaming_price_is_measured_against_its_bound(tmp_path):
     sys.path.insert(0, str(SCRIPT.parent))
     import report as module
 
+    profile = asdict(planner.Profile(
+        params=[planner.ParamCost(f"p{i}", 10**8, 4, i // 3, 0.0, 0.0, 0) for i in range(10)],
+        blocks=[planner.BlockCost(0, 0, 0.002, weight_bytes=10**9) for _ in range(4)], accumulation_steps=1,
+        clipping=True, forward_s=0.03, backward_s=0.06, forward_peak=0, tail_peak=0, host_s_per_param=1e-10,
+        d2h_bytes_per_s=5e10, h2d_bytes_per_s=5e10, device_bytes_per_s=3e12))
+
     def run(cap, step, streamed, resident):
-        blocks = [{"forward_s": 0.002, "weight_bytes": 10**9} for _ in range(4)]
-        profile = {"forward_s": 0.03, "backward_s": 0.06, "host_s_per_param": 1e-10, "h2d_bytes_per_s": 5e10,
-                   "blocks": blocks, "params": [{"numel": 10**8} for _ in range(10)]}
-        plan = {"profile": profile, "blocks": ["kept", "recomputed", "kept", "kept"], "streamed_blocks": streamed,
-                "resident_params": resident}
+        plan = {"profile": profile, "blocks": ["kept", "recomputed", "kept", "kept"], "recomputed": [1],
+                "streamed_blocks": streamed, "resident_params": resident}
         return {"mode": "trainstream", "cap_GB": cap, "step_s": step, "peak_vram_GB": cap or 20.0, "params": 10**9,
                 "plan": plan}
 

@@ -1284,7 +1284,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
         }
         if plan is not None:
             out.update({
-                "blocks": planner.block_kinds(plan, len(self._profile.blocks) if self._profile else 0), "saved_tensor_hooks": plan.hooks,
+                "blocks": planner.block_kinds(plan, len(self._profile.blocks) if self._profile else 0),
+                "recomputed": list(plan.recomputed), "recomputed_lightly": list(plan.light), "saved_tensor_hooks": plan.hooks,
                 "expected_peak_bytes": plan.expected_peak, "reserve_bytes": plan.reserve,
                 "observed_peak_bytes": plan.observed_peak,
                 "expected_step_s": plan.expected_step_s, "step_terms": dict(plan.step_terms),

@@ -26,7 +26,7 @@ Nothing here touches torch: it is tested on CPU with made-up profiles.
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
 GB = 1e9
 RESERVE_FRACTION = 0.03  # of the budget, for the model's error: the plan's peak stays under the rest
@@ -373,6 +373,28 @@ def step_seconds(profile: Profile, plan: Plan) -> tuple[float, dict]:
         "weights_wait_s": wait,
     }
     return total, terms
+
+
+def bound_seconds(profile: Profile, plan: Plan) -> dict:
+    """What a step under `plan` cannot beat, each part alone: the GPU's forwards, backwards and
+    recomputes; the host's updates of the offloaded parameters; the streamed blocks' weights
+    crossing twice a micro-batch (forward, then backward) at the measured bandwidth."""
+    acc = profile.accumulation_steps
+    gpu = acc * (profile.forward_s + profile.backward_s + recompute_seconds(profile, plan))
+    host = profile.host_s_per_param * sum(p.numel for p in profile.params[plan.resident:])
+    streamed = sum(profile.blocks[j].weight_bytes for j in streamed_blocks(profile, plan.streamed)) if plan.streamed else 0
+    copies = acc * 2 * streamed / profile.h2d_bytes_per_s if streamed else 0.0
+    return {"gpu_s": gpu, "host_s": host, "copies_s": copies, "bound_s": max(gpu, host, copies)}
+
+
+def profile_from(figures: dict) -> Profile:
+    """A Profile from its recorded fields (report()["placement"]["profile"], JSON)."""
+    names = {f.name for f in fields(Profile)}
+    known = {k: v for k, v in figures.items() if k in names}
+    known["params"] = [ParamCost(**p) for p in figures["params"]]
+    known["blocks"] = [BlockCost(**{k: v for k, v in b.items() if k in {f.name for f in fields(BlockCost)}})
+                       for b in figures["blocks"]]
+    return Profile(**known)
 
 
 # -------------------------------------------------------------------------------- planner
