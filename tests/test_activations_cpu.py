@@ -288,6 +288,22 @@ def test_the_census_counts_what_light_recompute_keeps_and_reruns():
     assert light.seconds(2, 1000, 1e9) == pytest.approx(3e-6 + 2 * light.OP_SECONDS)
 
 
+def test_a_block_that_writes_into_a_matmuls_output_is_not_offered_light_recompute():
+    block = nn.Sequential(nn.Linear(48, 192), nn.ReLU(inplace=True), nn.Linear(192, 48))
+    x = torch.randn(4, 16, 48, requires_grad=True)
+    census = light.Census()
+    with census:
+        block(x)
+    assert census.mutated
+    # what it would meet in backward
+    with pytest.raises(RuntimeError, match="mutated"):
+        checkpoint(block, x, use_reentrant=False, context_fn=light.context).sum().backward()
+    clean = light.Census()
+    with clean:
+        nn.Sequential(nn.Linear(48, 192), nn.ReLU(), nn.Linear(192, 48))(x)
+    assert not clean.mutated
+
+
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "autocast"])
 def test_the_census_counts_what_selective_checkpointing_keeps_of_a_llama_layer(autocast):
     transformers = pytest.importorskip("transformers")

@@ -560,3 +560,27 @@ def test_a_recorded_profile_reads_back_and_bounds_a_step():
     assert bound["host_s"] == pytest.approx(sum(p.numel for p in profile.params) * 0.25e-9)
     assert bound["copies_s"] == 0.0  # (the made-up blocks record no weights)
     assert bound["bound_s"] == max(bound["gpu_s"], bound["host_s"])
+
+
+def test_blocks_that_write_into_their_matmuls_outputs_are_not_offered_light_recompute():
+    class ReluNet(torch.nn.Module):  # an in-place ReLU after each block's first layer
+        def __init__(self):
+            super().__init__()
+            self.blocks = torch.nn.ModuleList(torch.nn.Sequential(
+                torch.nn.Linear(64, 256), torch.nn.ReLU(inplace=True), torch.nn.Linear(256, 64)) for _ in range(3))
+
+        def forward(self, x):
+            for block in self.blocks:
+                x = x + block(x)
+            return x.square().mean()
+
+    torch.manual_seed(0)
+    model = ReluNet()
+    weights = sum(p.numel() * 4 for p in model.parameters())
+    model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters()), vram_budget=10 * weights,
+                                  tuning=trainstream.Tuning(light_recompute=True))
+    for _ in range(3):
+        model(torch.randn(8, 64)).backward()
+        opt.step()
+        opt.zero_grad()
+    assert opt._profile.blocks and all(b.light_bytes is None for b in opt._profile.blocks)

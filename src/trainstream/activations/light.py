@@ -51,21 +51,30 @@ class Census(TorchDispatchMode):
     """Inside one block's forward: the bytes of the outputs light recompute keeps, and the ops it
     would run again with the bytes they write (views write nothing). Every kept op's output is a
     storage of its own, alive until backward: summed, not told apart by address (a freed one's
-    address is reused)."""
+    address is reused). `mutated`: an op wrote into a kept output in place (an in-place ReLU
+    after a linear layer, say), which selective checkpointing refuses in backward: such a block
+    is not offered light recompute."""
 
     def __init__(self) -> None:
         super().__init__()
         self.kept_bytes = 0
         self.redone_ops = 0
         self.redone_bytes = 0
+        self.mutated = False
+        self._kept: set[int] = set()  # the kept outputs' storages (a freed one's reuse errs on the safe side)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func._schema.is_mutable:
+            written = [a for a, spec in zip(args, func._schema.arguments) if spec.alias_info and spec.alias_info.is_write]
+            written += [v for k, v in (kwargs or {}).items() if k == "out"]
+            self.mutated |= any(t.untyped_storage().data_ptr() in self._kept for t in _tensors(written))
         out = func(*args, **(kwargs or {}))
         inputs = {t.untyped_storage().data_ptr() for t in _tensors(list(args) + list((kwargs or {}).values()))}
         fresh = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in _tensors(out)}
         written = sum(n for key, n in fresh.items() if key not in inputs)
         if kept(func):
             self.kept_bytes += written
+            self._kept.update(fresh)
         elif written:
             self.redone_ops += 1
             self.redone_bytes += written

@@ -173,9 +173,10 @@ class ActivationPager:
         self._inputs_seen: dict[int, weakref.ref] = {}  # their storages (one shared by blocks counts once)
         self._replaced_forwards: dict[int, object] = {}  # recomputed block -> its own forward attribute
         # Light recompute's census (light.py), taken in the first profiled forward when asked for:
-        # per block, (bytes it would keep besides its inputs, its cheap ops, the bytes they write)
+        # per block, (bytes it would keep besides its inputs, its cheap ops, the bytes they write),
+        # None for a block that writes into its matmuls' outputs in place
         self.light_census = False
-        self.light: list[tuple[int, int, int]] | None = None
+        self.light: list[tuple[int, int, int] | None] | None = None
         self._census: light_recompute.Census | None = None
         self._census_now = False
         self._block_start = None
@@ -420,9 +421,13 @@ class ActivationPager:
         if self._census is not None:
             census, self._census = self._census, None
             census.__exit__(None, None, None)
-            kept, ops, written = self.light[self._current]
-            self.light[self._current] = (kept + census.kept_bytes, ops + census.redone_ops,
-                                         written + census.redone_bytes)
+            counted = self.light[self._current]
+            if census.mutated or counted is None:  # (not offered: see Census)
+                self.light[self._current] = None
+            else:
+                kept, ops, written = counted
+                self.light[self._current] = (kept + census.kept_bytes, ops + census.redone_ops,
+                                             written + census.redone_bytes)
         self._current = None
         if torch.is_autocast_enabled(self.device.type):
             torch.clear_autocast_cache()  # its casts of this block's weights are recast in backward
