@@ -397,6 +397,9 @@ def test_bad_placements_are_refused():
         model, opt = make()
         with pytest.raises(ValueError, match="placement"):
             trainstream.wrap(model, opt, tuning=trainstream.Tuning(placement=bad))
+    for without in (dict(placement="offload"), dict(recompute=False)):  # light recompute is the planner's move
+        with pytest.raises(ValueError, match="light_recompute=True .* placement='auto' and recompute=True"):
+            trainstream.Tuning(light_recompute=True, **without)
 
 
 def test_recomputing_needs_no_saved_tensor_hooks_when_they_cost_more():

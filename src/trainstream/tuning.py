@@ -75,3 +75,6 @@ class Tuning:
                      "upload_update_terms"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.light_recompute and (self.placement != "auto" or not self.recompute):
+            raise ValueError("light_recompute=True is a choice offered to the placement planner: it needs "
+                             "placement='auto' and recompute=True")

@@ -183,7 +183,7 @@ def wrap(
     if paging:
         pager = ActivationPager(model, device=device, share=share, vram_budget=pager_budget, blocks=blocks,
                                 prefetch_depth=tuning.prefetch_depth, recompute=tuning.recompute, deferred=auto)
-        pager.light_census = auto and tuning.light_recompute and tuning.recompute
+        pager.light_census = tuning.light_recompute  # (the planner's move: placement "auto")
     stream_from = pager.blocks if pager is not None else blocks
     if auto and budget is not None and tuning.streamed_blocks is None:
         streamed = _streamed_to_fit(model, (stream_from or []) if ddp is None else [], budget, tuning.prefetch_depth)
