@@ -126,8 +126,11 @@ def plot(rows: list[dict], accs: list[int], caps: list, path: str) -> None:
     for ax, acc in zip(axes[0], accs):
         mine = [r for r in rows if r["acc"] == acc]
         x = lambda r: uncapped_x if r["cap_GB"] is None else r["cap_GB"]
-        ours = sorted((r for r in mine if r["mode"] == "trainstream" and "step_s" in r), key=x)
-        ax.plot([x(r) for r in ours], [r["step_s"] for r in ours], "o-", color="#4472c4", label="TrainStream", lw=2)
+        for mode, color in zip(dict.fromkeys(r["mode"] for r in mine if r["mode"].startswith("trainstream")),
+                               ("#4472c4", "#70ad47", "#ed7d31")):
+            ours = sorted((r for r in mine if r["mode"] == mode and "step_s" in r), key=x)
+            label = "TrainStream" + mode.removeprefix("trainstream")
+            ax.plot([x(r) for r in ours], [r["step_s"] for r in ours], "o-", color=color, label=label, lw=2)
         top = max([r["step_s"] for r in mine if "step_s" in r] or [1.0])
         for mode, marker in markers.items():
             ran = [r for r in mine if r["mode"] == mode and "step_s" in r]
