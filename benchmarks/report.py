@@ -151,6 +151,11 @@ def sweep_table(record: dict) -> str:
                         caption([("", record)])])
 
 
+BOUND = ("The bound is what the step cannot beat: the largest of the GPU's forward, backward and recomputes, the "
+         "host updates of the offloaded parameters and the streamed weights crossing twice at the measured pinned "
+         "bandwidth, all from the plan's profile.")
+
+
 def streaming_bound(placement: dict) -> dict:
     """What a step cannot beat (placement.bound_seconds), for a recorded report()["placement"].
     Files from before the report listed the recomputed blocks take them from the block kinds
@@ -184,10 +189,8 @@ def stream_price(name: str):
         where = "the uncapped run" if base["cap_GB"] is None else f"the {base['cap_GB']:g} GB run"
         intro = (f"{model_words(record['args'], params)}, `max_grad_norm={record['args']['clip']}`; TrainStream "
                  f"wrapped with `max_grad_norm` alone under each cap (`set_per_process_memory_fraction`), so the "
-                 f"planner streams as many blocks' weights as the cap needs. The bound is the largest of the GPU's "
-                 f"forward, backward and recomputes, the host updates of the offloaded parameters, and the "
-                 f"streamed weights crossing twice at the measured pinned bandwidth, all from the plan's profile; "
-                 f"\"vs resident\" compares with {where}, the tightest that kept every weight on the GPU.")
+                 f"planner streams as many blocks' weights as the cap needs. \"vs resident\" compares with {where}, "
+                 f"the tightest that kept every weight on the GPU. {BOUND}")
         table = markdown_table(["VRAM cap", "blocks streamed", "step, peak", "vs resident", "GPU compute",
                                 "host update", "weight copies", "step / bound"], rows)
         return "\n\n".join([intro, table, caption([("", record)])])
@@ -220,10 +223,7 @@ def stream_large(results: Path) -> str:
              f"built in host memory and wrapped with `max_grad_norm` alone under a VRAM cap.")
     table = markdown_table(["model", "VRAM cap", "step", "GPU / host / copies bound: step over it", "peak VRAM",
                             "blocks", "host memory", "set-up"], rows)
-    bound = ("The bound is the largest of the GPU's forward, backward and recomputes, the host updates of the "
-             "offloaded parameters and the streamed weights crossing twice at the measured pinned bandwidth, "
-             "from the plan's profile.")
-    return "\n\n".join([intro, table, bound, caption([(f"row {i + 1}", r) for i, r in enumerate(records)])])
+    return "\n\n".join([intro, table, BOUND, caption([(f"row {i + 1}", r) for i, r in enumerate(records)])])
 
 
 def plan_accuracy(name: str):
@@ -238,8 +238,7 @@ def plan_accuracy(name: str):
         a = record["args"]
         intro = (f"{model_words(a, record.get('params'))}, `max_grad_norm={a['clip']}`, `vram_budget=\"{a['vram_budget']}\"`: the "
                  f"plan wrap() chose and variations of it, applied one after another in one process."
-                 + (" The bound is what the step cannot beat: the largest of the GPU's work, the host's updates and "
-                    "the streamed weights' copies." if bounded else ""))
+                 + (f" {BOUND}" if bounded else ""))
         table = markdown_table(["plan", "resident params", "blocks recomputed", "expected step", "measured",
                                 "measured / expected", "expected peak", "peak"] + (["step / bound"] if bounded else []),
                                rows)

@@ -239,7 +239,6 @@ def run_mode(mode: str, args) -> dict:
         return loss
 
     progress(f"{mode}: set up in {time.perf_counter() - started:.0f} s", flush=True)
-    when = "warm-up step 1"
     try:
         for i in range(args.warmup):
             when = f"warm-up step {i + 1}"

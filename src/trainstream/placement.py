@@ -389,12 +389,12 @@ def bound_seconds(profile: Profile, plan: Plan) -> dict:
 
 def profile_from(figures: dict) -> Profile:
     """A Profile from its recorded fields (report()["placement"]["profile"], JSON)."""
-    names = {f.name for f in fields(Profile)}
-    known = {k: v for k, v in figures.items() if k in names}
-    known["params"] = [ParamCost(**p) for p in figures["params"]]
-    known["blocks"] = [BlockCost(**{k: v for k, v in b.items() if k in {f.name for f in fields(BlockCost)}})
-                       for b in figures["blocks"]]
-    return Profile(**known)
+    def known(cls, recorded: dict) -> dict:  # (a field a later version no longer has is left out)
+        names = {f.name for f in fields(cls)}
+        return {k: v for k, v in recorded.items() if k in names}
+
+    return Profile(**{**known(Profile, figures), "params": [ParamCost(**known(ParamCost, p)) for p in figures["params"]],
+                      "blocks": [BlockCost(**known(BlockCost, b)) for b in figures["blocks"]]})
 
 
 # -------------------------------------------------------------------------------- planner
@@ -436,13 +436,18 @@ def _candidates(profile: Profile, plan: Plan) -> list[tuple[str, Plan]]:
     # block recomputed lightly may be recomputed whole later.
     open_ = [j for j in range(len(profile.blocks))
              if profile.recompute and j not in plan.recomputed and (j >= plan.paged or not plan.hooks)]
-    for kind, field_, options in (("recompute block", "recomputed", open_),
-                                  ("recompute lightly block", "light",
-                                   [j for j in open_ if j not in plan.light and profile.blocks[j].light_bytes is not None])):
+    def whole(j: int) -> Plan:
+        return replace(plan, recomputed=tuple(sorted(plan.recomputed + (j,))), light=tuple(k for k in plan.light if k != j))
+
+    def lightly(j: int) -> Plan:
+        return replace(plan, light=tuple(sorted(plan.light + (j,))))
+
+    for kind, move, options in (("recompute block", whole, open_),
+                                ("recompute lightly block", lightly,
+                                 [j for j in open_ if j not in plan.light and profile.blocks[j].light_bytes is not None])):
         best = None
         for j in options:
-            moved = replace(plan, light=tuple(k for k in plan.light if k != j))
-            moved = replace(moved, **{field_: tuple(sorted(getattr(moved, field_) + (j,)))})
+            moved = move(j)
             gain = held_bytes(profile, plan, j) - held_bytes(profile, moved, j)
             added = recompute_seconds(profile, moved) - recompute_seconds(profile, plan)
             if gain > 0 and (best is None or (added / gain, j) < best[0]):
