@@ -4,6 +4,8 @@ for PCIe. Results must be bit-identical with and without paging."""
 
 from __future__ import annotations
 
+import contextlib
+
 import warnings
 
 import pytest
@@ -302,6 +304,47 @@ def test_a_block_that_writes_into_a_matmuls_output_is_not_offered_light_recomput
     with clean:
         nn.Sequential(nn.Linear(48, 192), nn.ReLU(), nn.Linear(192, 48))(x)
     assert not clean.mutated
+
+
+def test_a_freed_matmul_output_whose_address_is_reused_is_not_a_write_into_it():
+    # a paged block frees its kept outputs during forward: an in-place op on a new tensor at the
+    # same address is not a write into what light recompute keeps
+    x, w = torch.randn(64, 48), torch.randn(48, 192)
+
+    def reused_address():
+        for _ in range(100):
+            y = x @ w
+            address = y.data_ptr()
+            del y
+            z = torch.empty(64, 192)
+            if z.data_ptr() == address:
+                return z
+        pytest.fail("the allocator never reused a freed address: this test tests nothing")
+    census = light.Census()
+    with census:
+        reused_address().add_(1.0)
+    assert not census.mutated
+    with census:
+        (x @ w).relu_()
+    assert census.mutated  # a write into a live kept output still counts
+
+
+def test_ops_run_aside_from_the_census_are_not_the_blocks():
+    # the pager's pack hook runs inside the block's forward; on CUDA its record_stream writes
+    # into the saved matmul output, by its schema
+    block = nn.Sequential(nn.Linear(48, 192), nn.GELU(), nn.Linear(192, 48))
+    x = torch.randn(4, 16, 48, requires_grad=True)
+    for aside in (False, True):
+        census = light.Census()
+
+        def pack(t):
+            with census.aside() if aside else contextlib.nullcontext():
+                torch.ops.aten.resize_(t.detach(), t.shape)  # writes, by its schema, and changes nothing
+            return t
+        with census, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            block(x)
+        assert census.mutated != aside
+        assert census.redone_ops == 1  # the GELU
 
 
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "autocast"])

@@ -308,3 +308,24 @@ def test_soak_100_steps_after_planning_flat_memory():
     assert max(peaks) - min(peaks) <= (1 << 20), peaks
     assert max(peaks) <= budget
     assert torch.isfinite(loss).item()
+
+
+def test_every_block_is_offered_light_recompute_though_the_profile_pages_it():
+    """The census runs in the profiled forward, which pages blocks: the pager's record_stream
+    writes (by its schema) into the outputs it pages, which are then freed and their addresses
+    reused. Neither is the block writing into what light recompute keeps: each block is offered
+    light recompute, and the plan under a budget trains the bits an all-offloaded run trains."""
+    profiled, full_peak = footprints()
+    budget = int(profiled + 0.5 * (full_peak - profiled))
+    model, opt, losses, peak = mid_run(8, vram_budget=budget, tuning=trainstream.Tuning(light_recompute=True))
+    placement = opt.report()["placement"]
+    print(opt.describe())
+    blocks = placement["profile"]["blocks"]
+    assert placement["profile"]["profiled_paged"] > 0  # what this test is about
+    assert all(b["light_bytes"] is not None and b["light_bytes"] > 0 for b in blocks), blocks
+    assert placement["state"] == "planned" and peak <= budget
+    opt.remove_hooks()
+    collected()
+    ref, _, ref_losses, _ = mid_run(8, tuning=trainstream.Tuning(placement="offload"))
+    assert torch.equal(losses, ref_losses)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))

@@ -8,9 +8,11 @@ The census measures, in one forward, what light recompute of each block would ke
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
@@ -53,7 +55,9 @@ class Census(TorchDispatchMode):
     storage of its own, alive until backward: summed, not told apart by address (a freed one's
     address is reused). `mutated`: an op wrote into a kept output in place (an in-place ReLU
     after a linear layer, say), which selective checkpointing refuses in backward: such a block
-    is not offered light recompute."""
+    is not offered light recompute. Kept outputs are known by their storage, held weakly: when
+    the forward pages one out and frees it, a new tensor at its address is not mistaken for it.
+    Ops run `aside()` are not the block's and are not counted."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -61,20 +65,33 @@ class Census(TorchDispatchMode):
         self.redone_ops = 0
         self.redone_bytes = 0
         self.mutated = False
-        self._kept: set[int] = set()  # the kept outputs' storages (a freed one's reuse errs on the safe side)
+        self._kept: set[StorageWeakRef] = set()
+        self._aside = False
+
+    @contextlib.contextmanager
+    def aside(self):
+        """Ops that are not the block's: a saved-tensor hook's (the pager's record_stream writes
+        into a kept output, by its schema)."""
+        self._aside = True
+        try:
+            yield
+        finally:
+            self._aside = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self._aside:
+            return func(*args, **(kwargs or {}))
         if func._schema.is_mutable:
             written = [a for a, spec in zip(args, func._schema.arguments) if spec.alias_info and spec.alias_info.is_write]
             written += [v for k, v in (kwargs or {}).items() if k == "out"]
-            self.mutated |= any(t.untyped_storage().data_ptr() in self._kept for t in _tensors(written))
+            self.mutated |= any(StorageWeakRef(t.untyped_storage()) in self._kept for t in _tensors(written))
         out = func(*args, **(kwargs or {}))
         inputs = {t.untyped_storage().data_ptr() for t in _tensors(list(args) + list((kwargs or {}).values()))}
         fresh = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in _tensors(out)}
         written = sum(n for key, n in fresh.items() if key not in inputs)
         if kept(func):
             self.kept_bytes += written
-            self._kept.update(fresh)
+            self._kept.update(StorageWeakRef(t.untyped_storage()) for t in _tensors(out))
         elif written:
             self.redone_ops += 1
             self.redone_bytes += written

@@ -440,6 +440,12 @@ class ActivationPager:
             self._figures.block_cast_bytes[self._current] += nbytes
 
     def _pack(self, t: torch.Tensor):
+        if self._census is None:
+            return self._pack_one(t)
+        with self._census.aside():
+            return self._pack_one(t)
+
+    def _pack_one(self, t: torch.Tensor):
         self._figures.packs += 1
         if t.device != self.device or t.is_leaf and t.requires_grad:
             return t
