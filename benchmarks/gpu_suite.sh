@@ -2,7 +2,7 @@
 # Build, test and benchmark on a CUDA machine in one go; logs and JSON land in $1 (default ./gpu-results).
 #   bash benchmarks/gpu_suite.sh [OUTDIR] [STAGES]
 # STAGES: comma list of build,tests,verify,adamw,step,placement,timeline,paging,large,sanitize,
-#         clipping,compile,hf,streaming,stream_price,light,distributed
+#         clipping,spec_timeline,compile,hf,streaming,stream_price,light,distributed
 #         (default: build,tests,verify,adamw,step)
 set -uo pipefail
 out="${1:-gpu-results}"
@@ -49,6 +49,12 @@ if has clipping; then  # clipped offloaded updates: speculated (norm under the t
   python3 "$repo/benchmarks/train_step.py" --acc 1 --steps 20 --clip 1.0 --modes \
 gpu-adamw+noclip,gpu-adamw,trainstream+offload+noclip,trainstream+offload+clip1e9,trainstream+offload+clip1e9+waitclip,\
 trainstream+offload,trainstream+offload+waitclip,trainstream --json "$out/clipping.json" 2>&1 | grep -A12 "^NVIDIA"
+fi
+if has spec_timeline; then  # where an offloaded step's time goes without clipping and with a norm that never clips
+  for clip in none 1e9; do
+    python3 "$repo/benchmarks/step_timeline.py" --mode trainstream --steps 3 $([ "$clip" = none ] || echo --clip "$clip") \
+      --json "$out/timeline_clip_$clip.json" 2>&1 | tail -16
+  done
 fi
 if has compile; then  # torch.compile before and after wrap() at accumulation 8, against compiled stock AdamW
   python3 "$repo/benchmarks/train_step.py" --acc 8 --steps 6 --warmup 3 --clip 1.0 --modes \

@@ -2,6 +2,7 @@
 
     python benchmarks/step_timeline.py --mode trainstream+vramacc --acc 8 --steps 2
     python benchmarks/step_timeline.py --mode trainstream+paged --vram-budget 6GB --weights bf16
+    python benchmarks/step_timeline.py --mode trainstream --clip 1e9   # speculated clipping, never clipping
 
 Same model and modes as train_step.py. For each timed step it prints how long every forward and
 backward took on the GPU (CUDA events on the compute stream) and on the host (Python's clock,
@@ -71,7 +72,7 @@ def run(args) -> dict:
         tuning = trainstream.Tuning(placement="offload", accumulate_in_vram=variant == "vramacc",
                                     threads=args.threads, prefetch_depth=args.prefetch_depth)
         model, opt = trainstream.wrap(model, opt, accumulation_steps=args.acc, tuning=tuning,
-                                      **paging_options(variant, args))
+                                      max_grad_norm=args.clip, **paging_options(variant, args))
         settle = opt.synchronize
     g = torch.Generator(device=device).manual_seed(1)
     tokens = torch.randint(0, args.vocab, (args.batch, args.seq), device=device, generator=g)
@@ -104,6 +105,8 @@ def run(args) -> dict:
             mark(f"backward {i}")
             (loss / args.acc).backward()
         mark("optimizer.step")
+        if args.clip is not None and base == "gpu-adamw":
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -136,12 +139,16 @@ def run(args) -> dict:
         steps.append({"phases": phases, "step_gpu_ms": gpu, "step_host_ms": host,
                       "block_starts_gpu_ms": [g for g, _ in starts],
                       "block_starts_host_ms": [h for _, h in starts]})
-    return {"mode": args.mode, "device": str(device), "acc": args.acc, "steps": steps}
+    result = {"mode": args.mode, "device": str(device), "acc": args.acc, "max_grad_norm": args.clip, "steps": steps}
+    if base == "trainstream":
+        result["speculation"] = opt.report()["speculation"]
+    return result
 
 
 def print_timeline(result: dict) -> None:
     cuda = result["device"].startswith("cuda")
-    print(f"{result['mode']} on {result['device']}, accumulation {result['acc']}")
+    clip = "" if result["max_grad_norm"] is None else f", max_grad_norm={result['max_grad_norm']:g}"
+    print(f"{result['mode']} on {result['device']}, accumulation {result['acc']}{clip}")
     print(f"{'step':>4}  {'phase':<16}{'GPU ms' if cuda else '':>9}{'host ms':>10}")
     for s, step in enumerate(result["steps"]):
         for p in step["phases"]:
@@ -165,6 +172,9 @@ def main(argv=None) -> int:
                     help="untimed steps first (trainstream+paged profiles in its second)")
     add_paging_arguments(ap)
     ap.add_argument("--threads", type=int, default=0, help="host AdamW threads for trainstream (0: every CPU)")
+    ap.add_argument("--clip", type=float, default=None,
+                    help="max_grad_norm (gpu-adamw: clip_grad_norm_ before step); 1e9 never clips, so "
+                         "TrainStream's speculated updates commit")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():

@@ -58,3 +58,15 @@ def test_paged_mode_takes_a_share_of_activations(tmp_path):
     done = timeline(*TINY, "--layers", "3", "--mode", "trainstream+paged", "--activations", "0.5", "--json", str(out))
     assert done.returncode == 0, done.stderr
     assert json.loads(out.read_text())["mode"] == "trainstream+paged"
+
+
+@pytest.mark.parametrize("mode", ["gpu-adamw", "trainstream"])
+def test_a_clipped_timeline_says_whether_the_speculation_committed(mode, tmp_path):
+    out = tmp_path / "timeline.json"
+    done = timeline(*TINY, "--mode", mode, "--clip", "1e9", "--json", str(out))
+    assert done.returncode == 0, done.stderr
+    result = json.loads(out.read_text())
+    assert result["max_grad_norm"] == 1e9 and "max_grad_norm=1e+09" in done.stdout
+    if mode == "trainstream":  # a norm that never clips: every window after the first commits
+        speculation = result["speculation"]
+        assert speculation["hits"] >= 2 and speculation["misses"] == 0, speculation
