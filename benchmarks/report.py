@@ -231,7 +231,11 @@ def plan_accuracy(name: str):
     def render(results: Path) -> str:
         record = load(results, name)
         bounded = all("bound" in r for r in record["results"])  # (files from before the bound was recorded lack it)
-        rows = [[r["variation"], str(r["resident_params"]), str(r["recomputed_blocks"]),
+        def recomputed(r: dict) -> str:
+            light = r.get("light_blocks") or 0  # (files from before light recompute lack it)
+            return f"{r['recomputed_blocks']}" + (f" + {light} lightly" if light else "")
+
+        rows = [[r["variation"], str(r["resident_params"]), recomputed(r),
                  s(r["expected_step_s"]), s(r["step_s"]), f"{r['step_s'] / r['expected_step_s']:.2f}",
                  gb(r["expected_peak_GB"]), gb(r["peak_GB"])]
                 + ([f"{r['step_s'] / r['bound']['bound_s']:.2f}x"] if bounded else []) for r in record["results"]]
@@ -472,6 +476,7 @@ TABLES = {
     "stream_price": stream_price("stream_price"),
     "stream_large": stream_large,
     "plan_accuracy_20gb": plan_accuracy("plan_accuracy_20gb"),
+    "plan_accuracy_light": plan_accuracy("plan_accuracy_light"),
     "adamw_vs_torch": adamw_vs_torch,
     "engine_update_term": engine_update_term,
     "engine_threads": engine_threads,
