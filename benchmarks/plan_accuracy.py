@@ -7,10 +7,11 @@ wrap()s the model of train_step.py's flags with max_grad_norm and the budget (no
 variation must be able to run), trains until the plan is made, then applies the chosen plan and
 variations of it: every parameter resident, none of its blocks recomputed, only the LM head
 offloaded, half the parameters offloaded, half the blocks recomputed, the saved-tensor hooks on
-with nothing paged, with --light half and all of the blocks recomputed lightly, and last (streaming cannot be undone) a quarter, half and all of the blocks' weights streamed. For each: the planner's
-expected step time and peak (placement.step_seconds and peak_bytes on the run's profile) against
-the measured ones, after --warmup steps, over --steps, and what the step cannot beat
-(placement.bound_seconds).
+with nothing paged, with --light half and all of the blocks recomputed lightly, the chosen plan
+again, and last (streaming cannot be undone) a quarter, half and all of the blocks' weights
+streamed. For each: the planner's expected step time and peak (placement.step_seconds and
+peak_bytes on the run's profile) against the measured ones, after --warmup steps, over --steps,
+and what the step cannot beat (placement.bound_seconds).
 """
 
 from __future__ import annotations
@@ -49,6 +50,9 @@ def variations(profile: planner.Profile, chosen: planner.Plan) -> list[tuple[str
             for k in (blocks // 2, blocks):
                 out.append((f"everything resident, {k} blocks recomputed lightly",
                             replace(chosen, resident=n, recomputed=(), light=tuple(range(k)))))
+    # the first variation runs right after planning: the same plan again, with everything since
+    # behind it, tells that apart from the plan's own cost
+    out.append(("chosen, again", chosen))
     for k in sorted({max(1, blocks // 4), blocks // 2, blocks} - {0}):
         streamed = replace(chosen, streamed=max(k, chosen.streamed))
         # (a streamed block's parameters are offloaded: the planner counts them so)
