@@ -2,7 +2,7 @@
 # Build, test and benchmark on a CUDA machine in one go; logs and JSON land in $1 (default ./gpu-results).
 #   bash benchmarks/gpu_suite.sh [OUTDIR] [STAGES]
 # STAGES: comma list of build,tests,verify,adamw,step,placement,timeline,paging,large,sanitize,
-#         clipping,spec_timeline,compile,hf,streaming,stream_price,light,distributed
+#         clipping,spec_timeline,compile,hf,streaming,stream_limit,stream_price,light,distributed
 #         (default: build,tests,verify,adamw,step)
 set -uo pipefail
 out="${1:-gpu-results}"
@@ -106,22 +106,28 @@ if has large; then  # the largest models under a 24 GB VRAM cap (Llama 4096-wide
     --weights bf16 --vram-cap-gb 24 --vram-budget 23GB --steps 2 --warmup 2 --modes trainstream+paged,gpu-adamw \
     --json "$out/large_bf16_b1.json" 2>&1 | tail -9
 fi
-if has streaming; then  # weights that do not fit the GPU stream from host memory
-  big="--hidden 4096 --heads 32 --intermediate 11008 --batch 1 --seq 1024 --weights bf16 --clip 1.0 --host-model"
-  # the 6.33B Llama (30 layers) under a 12 GB cap against DeepSpeed ZeRO-3 with parameters and
-  # optimizer offloaded, then the 6.74B one (32 layers) under 24 GB: built in host memory, each
-  # in a process of its own with the host's memory sampled every 4 s beside it
-  for run in trainstream:30:12 deepspeed3:30:12 trainstream:32:24; do
-    IFS=: read -r mode layers cap <<< "$run"
-    name="stream_${layers}l_${cap}gb_$mode"
-    (while sleep 4; do echo "$(date +%s) $(free -m | awk 'NR==2{print "used_MB=" $3, "available_MB=" $7}')"; done) \
-      > "$out/host_memory_$name.log" & sampler=$!
-    timeout 300 python3 -u "$repo/benchmarks/train_step.py" $big --layers "$layers" --vram-cap-gb "$cap" \
-      --steps 3 --warmup 2 --modes "$mode" --json "$out/$name.json" > "$out/$name.log" 2>&1
-    echo "$name: exit $?, host memory used at most $(awk -F'used_MB=' '{split($2, a, " ")
-      if (a[1] + 0 > m) m = a[1] + 0} END {print m}' "$out/host_memory_$name.log") MB"
-    kill $sampler; tail -3 "$out/$name.log"
-  done
+# A Llama with 4096-wide layers (bf16 weights, batch 1x1024, clipping) built in host memory and
+# trained under a VRAM cap, in a process of its own with the host's memory sampled every 4 s
+stream_run() {  # mode:layers:cap_GB
+  local mode layers cap name sampler
+  IFS=: read -r mode layers cap <<< "$1"
+  name="stream_${layers}l_${cap}gb_$mode"
+  (while sleep 4; do echo "$(date +%s) $(free -m | awk 'NR==2{print "used_MB=" $3, "available_MB=" $7}')"; done) \
+    > "$out/host_memory_$name.log" & sampler=$!
+  timeout 300 python3 -u "$repo/benchmarks/train_step.py" --hidden 4096 --heads 32 --intermediate 11008 --batch 1 \
+    --seq 1024 --weights bf16 --clip 1.0 --host-model --layers "$layers" --vram-cap-gb "$cap" \
+    --steps 3 --warmup 2 --modes "$mode" --json "$out/$name.json" > "$out/$name.log" 2>&1
+  echo "$name: exit $?, host memory used at most $(awk -F'used_MB=' '{split($2, a, " ")
+    if (a[1] + 0 > m) m = a[1] + 0} END {print m}' "$out/host_memory_$name.log") MB"
+  kill $sampler; tail -3 "$out/$name.log"
+}
+if has streaming; then  # the 6.33B model (30 layers) under 12 GB against DeepSpeed ZeRO-3 with
+  # parameters and optimizer offloaded, then the 6.74B one (32 layers) under 24 GB
+  for run in trainstream:30:12 deepspeed3:30:12 trainstream:32:24; do stream_run "$run"; done
+  dmesg 2>/dev/null | grep -iE "killed process" | tail -2
+fi
+if has stream_limit; then  # where host memory ends under 24 GB: 7.15B (34 layers), then 7.55B (36)
+  for run in trainstream:34:24 trainstream:36:24; do stream_run "$run"; done
   dmesg 2>/dev/null | grep -iE "killed process" | tail -2
 fi
 if has stream_price; then  # the price of streaming: the 0.95B model down to caps its weights do not fit

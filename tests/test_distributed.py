@@ -390,6 +390,7 @@ def test_the_distributed_benchmark_runs_on_cpu_processes(tmp_path):
     rows = json.loads(out.read_text())["results"]
     assert [r["mode"] for r in rows] == ["ddp-adamw", "ddp-trainstream", "fsdp2-trainstream"]
     for r in rows:
+        assert "error" not in r, (r, done.stdout[-2000:], done.stderr[-2000:])
         assert r["step_s"] > 0 and len(r["ranks"]) == 2
     # each TrainStream rank holds the state of its own share only
     shares = [rank["owned_elements"] for rank in rows[1]["ranks"]]
