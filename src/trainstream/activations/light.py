@@ -16,6 +16,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from trainstream.activations.plan import tensors_in
+
 # ops whose outputs are kept: the expensive ones (their time is the block's)
 _SAVED_NAMES = ("mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "convolution", "_scaled_dot_product_flash_attention",
                 "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
@@ -37,16 +39,6 @@ def _policy(ctx, func, *args, **kwargs):
 
 
 context = functools.partial(create_selective_checkpoint_contexts, _policy)
-
-
-def _tensors(tree) -> list[torch.Tensor]:
-    out = []
-    for t in tree if isinstance(tree, (tuple, list)) else (tree,):
-        if isinstance(t, torch.Tensor):
-            out.append(t)
-        elif isinstance(t, (tuple, list)):
-            out.extend(_tensors(t))
-    return out
 
 
 class Census(TorchDispatchMode):
@@ -84,14 +76,14 @@ class Census(TorchDispatchMode):
         if func._schema.is_mutable:
             written = [a for a, spec in zip(args, func._schema.arguments) if spec.alias_info and spec.alias_info.is_write]
             written += [v for k, v in (kwargs or {}).items() if k == "out"]
-            self.mutated |= any(StorageWeakRef(t.untyped_storage()) in self._kept for t in _tensors(written))
+            self.mutated |= any(StorageWeakRef(t.untyped_storage()) in self._kept for t in tensors_in(written))
         out = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage().data_ptr() for t in _tensors(list(args) + list((kwargs or {}).values()))}
-        fresh = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in _tensors(out)}
+        inputs = {t.untyped_storage().data_ptr() for t in tensors_in((args, kwargs or {}))}
+        fresh = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors_in(out)}
         written = sum(n for key, n in fresh.items() if key not in inputs)
         if kept(func):
             self.kept_bytes += written
-            self._kept.update(StorageWeakRef(t.untyped_storage()) for t in _tensors(out))
+            self._kept.update(StorageWeakRef(t.untyped_storage()) for t in tensors_in(out))
         elif written:
             self.redone_ops += 1
             self.redone_bytes += written

@@ -14,7 +14,7 @@ from torch.utils.checkpoint import checkpoint
 from trainstream._native import _C
 from trainstream.activations import light as light_recompute
 from trainstream.activations import report as reporting
-from trainstream.activations.plan import Plan, Profile, format_size, find_blocks, plan_paging
+from trainstream.activations.plan import Plan, Profile, format_size, find_blocks, plan_paging, tensors_in
 from trainstream.activations.report import StepFigures
 from trainstream.errors import TrainingLoopError, UnsupportedSetupError
 from trainstream.profiler import measure_copy_bandwidth
@@ -74,18 +74,6 @@ class _Kept:
 
     def __init__(self, tensor, block, generation):
         self.tensor, self.block, self.generation = tensor, block, generation
-
-
-def tensors_in(obj):
-    """The tensors in nested tuples, lists and dicts."""
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (tuple, list)):
-        for item in obj:
-            yield from tensors_in(item)
-    elif isinstance(obj, dict):
-        for item in obj.values():
-            yield from tensors_in(item)
 
 
 def _updates_a_cache(kwargs) -> bool:

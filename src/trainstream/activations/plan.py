@@ -34,6 +34,18 @@ def format_size(nbytes: int) -> str:
     return f"{nbytes / GB:.2f} GB" if nbytes >= 0.1 * GB else f"{nbytes / 1e6:.1f} MB"
 
 
+def tensors_in(obj):
+    """The tensors in nested tuples, lists and dicts."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (tuple, list)):
+        for item in obj:
+            yield from tensors_in(item)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            yield from tensors_in(item)
+
+
 def find_blocks(model: torch.nn.Module) -> tuple[str, list[torch.nn.Module]]:
     """The model's repeated blocks: the ModuleList of same-class modules holding most parameters."""
     best, best_key = ("", []), (0, 0)
