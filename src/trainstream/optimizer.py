@@ -1034,7 +1034,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
             if plan.hooks or plan.recomputed or plan.light:
                 pager.reattach()
                 pager.apply(plan.paged if plan.hooks else 0, plan.recomputed, "placement planner", hooks=plan.hooks,
-                            light=plan.light, light_seconds=sum(self._profile.blocks[j].light_s for j in plan.light))
+                            light=plan.light, recompute_seconds=planner.recompute_seconds(self._profile, plan))
                 self.activation_pager = pager
             else:  # (a re-plan may need it again: _check_peak)
                 pager.remove()

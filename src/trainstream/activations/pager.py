@@ -373,15 +373,14 @@ class ActivationPager:
             self._finish_profile()
 
     def apply(self, paged: int, recomputed: tuple[int, ...], reason: str, hooks: bool = True,
-              light: tuple[int, ...] = (), light_seconds: float = 0.0) -> None:
+              light: tuple[int, ...] = (), recompute_seconds: float = 0.0) -> None:
         """Pages blocks 0 .. paged-1, recomputes `recomputed` and recomputes `light` lightly from
-        now on (the planner's choice). Without `hooks`, nothing is paged and no saved tensor passes
-        through a hook of ours: the recomputed blocks are torch's checkpointing alone."""
+        now on (the planner's choice, with what it rates their recomputing at). Without `hooks`,
+        nothing is paged and no saved tensor passes through a hook of ours: the recomputed blocks
+        are torch's checkpointing alone."""
         self.saved_tensor_hooks = hooks
-        n = len(self.blocks)
-        full = sum(self.profile.block_seconds[i] for i in recomputed) if self.profile else 0.0
-        self._apply_plan(Plan(paged_blocks=paged, pageable_blocks=n, reason=reason, recomputed=tuple(recomputed),
-                              recompute_seconds=full + light_seconds, light=tuple(light)))
+        self._apply_plan(Plan(paged_blocks=paged, pageable_blocks=len(self.blocks), reason=reason,
+                              recomputed=tuple(recomputed), recompute_seconds=recompute_seconds, light=tuple(light)))
         self._fresh_plan = True
 
     def _apply_plan(self, plan: Plan) -> None:
