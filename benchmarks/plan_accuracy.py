@@ -35,15 +35,16 @@ def variations(profile: planner.Profile, chosen: planner.Plan) -> list[tuple[str
     n, blocks = len(profile.params), len(profile.blocks)
     out = [("chosen", chosen),
            ("chosen, every parameter resident", replace(chosen, resident=n)),
-           ("chosen, no block recomputed", replace(chosen, recomputed=())),
-           ("everything resident, nothing recomputed", replace(chosen, resident=n, recomputed=())),
-           ("only the last parameter in forward order offloaded", replace(chosen, resident=n - 1, recomputed=())),
-           ("half the parameters offloaded", replace(chosen, resident=n // 2, recomputed=()))]
+           ("chosen, no block recomputed", replace(chosen, recomputed=(), light=())),
+           ("everything resident, nothing recomputed", replace(chosen, resident=n, recomputed=(), light=())),
+           ("only the last parameter in forward order offloaded",
+            replace(chosen, resident=n - 1, recomputed=(), light=())),
+           ("half the parameters offloaded", replace(chosen, resident=n // 2, recomputed=(), light=()))]
     if blocks:
         out.append((f"every parameter resident, {blocks // 2} blocks recomputed",
-                    replace(chosen, resident=n, recomputed=tuple(range(blocks // 2)))))
+                    replace(chosen, resident=n, recomputed=tuple(range(blocks // 2)), light=())))
         # the saved-tensor hooks with nothing paged: the autocast copies recast in backward
-        out.append(("everything resident, hooks on, nothing paged", replace(chosen, resident=n, recomputed=(),
+        out.append(("everything resident, hooks on, nothing paged", replace(chosen, resident=n, recomputed=(), light=(),
                                                                             hooks=True, paged=0)))
         out.append(("chosen, hooks on, nothing paged", replace(chosen, hooks=True, paged=0)))
         if all(b.light_bytes is not None for b in profile.blocks):  # (--light)

@@ -486,10 +486,15 @@ def test_the_planner_turns_on_expandable_segments_unless_the_user_chose(monkeypa
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    calls = []
-    monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", calls.append)
+    calls, deprecated = [], []
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", calls.append, raising=False)
+    monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", deprecated.append, raising=False)
     assert wrapping.expandable_segments() is turned_on
-    assert calls == (["expandable_segments:True"] if turned_on else [])
+    assert calls == (["expandable_segments:True"] if turned_on else []) and deprecated == []
+    # an older torch has the CUDA setting only
+    monkeypatch.delattr(torch._C, "_accelerator_setAllocatorSettings")
+    assert wrapping.expandable_segments() is turned_on
+    assert deprecated == (["expandable_segments:True"] if turned_on else [])
 
 
 def lightly(profile: planner.Profile, kept: float = 0.4, seconds: float = 0.0003) -> planner.Profile:
@@ -521,6 +526,9 @@ def test_light_recompute_is_taken_first_where_it_saves_enough_and_blocks_go_whol
     # not offered (Tuning(light_recompute=False)): the plan of before
     plain = replace(profile, blocks=[replace(b, light_bytes=None, light_s=0.0) for b in profile.blocks])
     assert planner.plan_placement(plain, full - 3 * GB).light == ()
+    # a block is recomputed one way or the other: nested checkpoints would fail in backward
+    with pytest.raises(ValueError, match=r"blocks \[2\] are both recomputed and recomputed lightly"):
+        replace(one, recomputed=(2,), light=(2, 3))
 
 
 def test_a_lightly_recomputed_block_in_the_paged_range_pages_only_its_inputs():

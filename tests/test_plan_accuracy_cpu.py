@@ -30,6 +30,8 @@ def test_every_variation_is_applied_and_measured(tmp_path):
     light = [r for name, r in rows.items() if "recomputed lightly" in name]
     assert [(r["light_blocks"], r["resident_params"]) for r in light] == [(2, params), (4, params)]
     assert light[1]["step_terms"]["recompute_s"] > light[0]["step_terms"]["recompute_s"] > 0
+    # (the variations that name what they recompute recompute nothing else, lightly or whole)
+    assert all(r["light_blocks"] == 0 for name, r in rows.items() if not name.startswith("chosen") and "lightly" not in name)
     again = rows["chosen, again"]
     assert {k: again[k] for k in ("resident_params", "recomputed_blocks", "light_blocks", "expected_step_s")} == \
         {k: rows["chosen"][k] for k in ("resident_params", "recomputed_blocks", "light_blocks", "expected_step_s")}

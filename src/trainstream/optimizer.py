@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 
 from trainstream import placement as planner
-from trainstream.activations.light import seconds as light_seconds
+from trainstream.activations import light as light_recompute
 from trainstream.activations.plan import format_size
 from trainstream.distributed import local_shard
 from trainstream.errors import (GRAD_SCALER_MESSAGE, TrainingLoopError, UnsupportedSetupError, VramBudgetError,
@@ -948,12 +948,14 @@ class OffloadedAdamW(torch.optim.Optimizer):
             prof = pager.profile
             casts = figures.block_cast_bytes or [0] * len(pager.blocks)
             tied = shared_outside(pager.blocks, self._model)
-            light = pager.light or [None] * len(pager.blocks)  # (kept bytes, cheap ops, bytes they write)
+            light = pager.light or [None] * len(pager.blocks)  # (kept bytes, cheap ops, bytes they write, ops)
+            op_host_s = light_recompute.dispatch_seconds(self._device) if pager.light else 0.0
             blocks = [planner.BlockCost(b, i, t, c, weight_bytes=sum(p.numel() * p.element_size()
                                                                      for p in pager.blocks[j].parameters()),
                                         streamable=j not in tied,
                                         light_bytes=None if lt is None else lt[0],
-                                        light_s=0.0 if lt is None else light_seconds(lt[1], lt[2], self._bandwidths[2]))
+                                        light_s=0.0 if lt is None else light_recompute.seconds(
+                                            *lt[1:], self._bandwidths[2], op_host_s))
                       for j, (b, i, t, c, lt) in enumerate(zip(prof.block_bytes,
                                                                prof.block_input_bytes or [0] * len(prof.block_bytes),
                                                                prof.block_seconds, casts, light))]

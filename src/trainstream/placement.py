@@ -111,6 +111,11 @@ class Plan:
     moves: list[str] = field(default_factory=list)
     observed_peak: int | None = None  # set once a planned step has run
 
+    def __post_init__(self) -> None:
+        both = sorted(set(self.recomputed) & set(self.light))
+        if both:
+            raise ValueError(f"blocks {both} are both recomputed and recomputed lightly: a block is one or the other")
+
     def key(self) -> tuple:
         return self.resident, self.vram_sums, self.hooks, self.paged, self.recomputed, self.light, self.streamed
 

@@ -261,7 +261,9 @@ def expandable_segments() -> bool:
     for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
         if "expandable_segments" in os.environ.get(name, ""):
             return False
-    setting = getattr(torch.cuda.memory, "_set_allocator_settings", None)
+    # (the accelerator's setting where torch has it: the CUDA one warns there that it is deprecated)
+    setting = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or \
+        getattr(torch.cuda.memory, "_set_allocator_settings", None)
     if setting is None:  # (a torch without the runtime setting)
         return False
     setting("expandable_segments:True")

@@ -4,12 +4,15 @@ reuses what its matmuls and attention computed in forward. Its activations shrin
 and those outputs for a small fraction of the block's forward time. Recomputed ops see the same
 inputs and run the same kernels, so training keeps its bits.
 
-The census measures, in one forward, what light recompute of each block would keep and redo."""
+The census measures, in one forward, what light recompute of each block would keep and redo.
+Selective checkpointing decides each op's fate in Python, in forward and again in backward:
+that host time is measured too (`dispatch_seconds`), and on a fast GPU it is most of the cost."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import time
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -42,8 +45,8 @@ context = functools.partial(create_selective_checkpoint_contexts, _policy)
 
 
 class Census(TorchDispatchMode):
-    """Inside one block's forward: the bytes of the outputs light recompute keeps, and the ops it
-    would run again with the bytes they write (views write nothing). Every kept op's output is a
+    """Inside one block's forward: the bytes of the outputs light recompute keeps, the ops it
+    would run again with the bytes they write (views write nothing), and every op dispatched. Every kept op's output is a
     storage of its own, alive until backward: summed, not told apart by address (a freed one's
     address is reused). `mutated`: an op wrote into a kept output in place (an in-place ReLU
     after a linear layer, say), which selective checkpointing refuses in backward: such a block
@@ -56,6 +59,7 @@ class Census(TorchDispatchMode):
         self.kept_bytes = 0
         self.redone_ops = 0
         self.redone_bytes = 0
+        self.dispatched_ops = 0
         self.mutated = False
         self._kept: set[StorageWeakRef] = set()
         self._aside = False
@@ -73,6 +77,7 @@ class Census(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if self._aside:
             return func(*args, **(kwargs or {}))
+        self.dispatched_ops += 1
         if func._schema.is_mutable:
             written = [a for a, spec in zip(args, func._schema.arguments) if spec.alias_info and spec.alias_info.is_write]
             written += [v for k, v in (kwargs or {}).items() if k == "out"]
@@ -90,7 +95,32 @@ class Census(TorchDispatchMode):
         return out
 
 
-def seconds(ops: int, written: int, device_bytes_per_s: float) -> float:
-    """What rerunning a block's cheap ops costs: each reads about twice what it writes, at the
-    device's bandwidth, plus a launch each."""
-    return 3 * written / device_bytes_per_s + OP_SECONDS * ops
+def seconds(ops: int, written: int, dispatched: int, device_bytes_per_s: float, op_host_s: float) -> float:
+    """What light recompute adds to a block: its cheap ops run again, each reading about twice
+    what it writes, at the device's bandwidth, plus a launch each; and every op it dispatches
+    passes selective checkpointing's Python twice (forward, then the rerun in backward), which
+    the GPU waits for when it outpaces the host."""
+    return 3 * written / device_bytes_per_s + OP_SECONDS * ops + 2 * dispatched * op_host_s
+
+
+@functools.cache
+def dispatch_seconds(device: torch.device, ops: int = 256) -> float:
+    """What selective checkpointing adds to one op on the host, measured: small additions on
+    `device` run inside its forward context and without it (best of three; a first pass warms
+    both up)."""
+    x = torch.zeros(8, device=device)
+
+    def run() -> float:
+        start = time.perf_counter()
+        y = x
+        for _ in range(ops):
+            y = y + 1
+        return time.perf_counter() - start
+
+    def under_policy() -> float:
+        with context()[0]:
+            return run()
+
+    run(), under_policy()
+    plain = min(run() for _ in range(3))
+    return max(0.0, min(under_policy() for _ in range(3)) - plain) / ops

@@ -157,6 +157,7 @@ class ActivationPager:
         self._figures = StepFigures()
         self.last = StepFigures()  # figures of the last finished forward
         self._times: list = []  # (block, start mark, end mark) for each block run in the timed forward
+        self._host_times: list[float] = []  # per block, the host's time in it (timed forward)
         self._input_bytes: list[int] = []  # per block, its tensor inputs in the timed forward
         self._inputs_seen: dict[int, weakref.ref] = {}  # their storages (one shared by blocks counts once)
         self._replaced_forwards: dict[int, object] = {}  # recomputed block -> its own forward attribute
@@ -164,10 +165,11 @@ class ActivationPager:
         # per block, (bytes it would keep besides its inputs, its cheap ops, the bytes they write),
         # None for a block that writes into its matmuls' outputs in place
         self.light_census = False
-        self.light: list[tuple[int, int, int] | None] | None = None
+        self.light: list[tuple[int, int, int, int] | None] | None = None
         self._census: light_recompute.Census | None = None
         self._census_now = False
         self._block_start = None
+        self._block_host_start = 0.0
         self._timed = False  # the timed forward has finished: the next one ends profiling
         self._fresh_plan = False
         self._timing = False  # the latest forward (and its backward) is the profiled one
@@ -225,7 +227,7 @@ class ActivationPager:
         self._timing = self._profiling and (self.time_next_forward if self.deferred else self._forwards > 0)
         self._census_now = self.light_census and self._profiling and not self._timing and self.light is None
         if self._census_now:
-            self.light = [(0, 0, 0)] * len(self.blocks)
+            self.light = [(0, 0, 0, 0)] * len(self.blocks)
         self.time_next_forward = False
         if self._timing and self.settle is not None:
             self.settle()
@@ -236,12 +238,14 @@ class ActivationPager:
         self._stored_by_block = [[] for _ in self.blocks]
         self._prefetched = set()
         self._casts = {}
-        self._figures = StepFigures(block_bytes=[0] * len(self.blocks), block_cast_bytes=[0] * len(self.blocks))
+        self._figures = StepFigures(block_bytes=[0] * len(self.blocks), block_cast_bytes=[0] * len(self.blocks),
+                                    block_hook_seconds=[0.0] * len(self.blocks))
         if self._cuda and (self._timing or self._fresh_plan):  # the profile's peak, then the plan's
             torch.cuda.reset_peak_memory_stats(self.device)
         self._fresh_plan = False
         if self._timing:
             self._times = []
+            self._host_times = [0.0] * len(self.blocks)
             self._input_bytes = [0] * len(self.blocks)
             self._inputs_seen = {}
             self._backward_peak = None
@@ -260,14 +264,16 @@ class ActivationPager:
             self._hooks_ctx = contextlib.nullcontext()
         self._hooks_ctx.__enter__()
 
-    @staticmethod
-    def _clocked(hook, figures: StepFigures):
+    def _clocked(self, hook, figures: StepFigures):
         def timed(x):
             start = time.perf_counter()
             try:
                 return hook(x)
             finally:
-                figures.hook_seconds += time.perf_counter() - start
+                spent = time.perf_counter() - start
+                figures.hook_seconds += spent
+                if self._current is not None:
+                    figures.block_hook_seconds[self._current] += spent
         return timed
 
     def _model_post(self, module, args, output):
@@ -314,6 +320,7 @@ class ActivationPager:
             if self._timing:  # after the wait: time the block's own work
                 self._input_bytes[index] += self._new_input_bytes((args, kwargs))
                 self._block_start = mark(self.device)
+                self._block_host_start = time.perf_counter()
             if self._census_now:
                 self._census = light_recompute.Census()
                 self._census.__enter__()
@@ -405,6 +412,7 @@ class ActivationPager:
             return
         if self._timing and self._current is not None:
             self._times.append((self._current, self._block_start, mark(self.device)))
+            self._host_times[self._current] += time.perf_counter() - self._block_host_start
         if self._census is not None:
             census, self._census = self._census, None
             census.__exit__(None, None, None)
@@ -412,9 +420,9 @@ class ActivationPager:
             if census.mutated or counted is None:  # (not offered: see Census)
                 self.light[self._current] = None
             else:
-                kept, ops, written = counted
+                kept, ops, written, dispatched = counted
                 self.light[self._current] = (kept + census.kept_bytes, ops + census.redone_ops,
-                                             written + census.redone_bytes)
+                                             written + census.redone_bytes, dispatched + census.dispatched_ops)
         self._current = None
         if torch.is_autocast_enabled(self.device.type):
             torch.clear_autocast_cache()  # its casts of this block's weights are recast in backward
@@ -583,6 +591,11 @@ class ActivationPager:
         times = [0.0] * len(self.blocks)  # a block that did not run costs nothing (and saved nothing)
         for block, start, end in self._times:
             times[block] += seconds(start, end)
+        # A block's forward as it runs again in backward or in a plan without our hooks: its
+        # time on the compute stream or on the host, whichever was longer (the device waits for a
+        # host that falls behind), less what the hooks took on the host inside it.
+        hooks = self.last.block_hook_seconds or [0.0] * len(self.blocks)
+        times = [max(t, h) - k for t, h, k in zip(times, self._host_times, hooks)]
         d2h, h2d = measure_copy_bandwidth(self.device)
         peak = self.observed_peak_bytes()
         if peak is not None and self._backward_peak:

@@ -65,7 +65,7 @@ class Profile:
     """What the profiling step measured."""
 
     block_bytes: list[int]  # activation bytes that paging frees, per block
-    block_seconds: list[float]  # forward wall time of each block on the compute stream
+    block_seconds: list[float]  # forward time of each block without the hooks' host time (pager._finish_profile)
     d2h_bytes_per_s: float
     h2d_bytes_per_s: float
     peak_bytes: int | None = None  # peak VRAM of the profiled step (every pageable block paged)
