@@ -108,7 +108,7 @@ def table(rows: list[dict]) -> str:
             lines.append(f"{cap:>6} {r['mode']:<18}{'-':>9}{'-':>10}{'-':>9}  {r.get('error') or r.get('skipped')}")
             continue
         ratio = f"{r['step_s'] / stock:.2f}x" if stock else "-"
-        note = r.get("placement", "")
+        note = r.get("placement", "") + (f"; {r['alloc_retries']} allocator retries" if r.get("alloc_retries") else "")
         lines.append(f"{cap:>6} {r['mode']:<18}{r['step_s']:>9.3f}{ratio:>10}{r['peak_vram_GB']:>9.2f}  {note}")
     return "\n".join(lines)
 

@@ -252,6 +252,7 @@ def run_mode(mode: str, args) -> dict:
         sync()
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
+        retries = torch.cuda.memory_stats().get("num_alloc_retries", 0)
         t0 = time.perf_counter()
         for _ in range(args.steps):
             loss = one_step()
@@ -266,6 +267,9 @@ def run_mode(mode: str, args) -> dict:
         "mode": mode, "params": params, "step_s": seconds, "loss": float(loss),
         "peak_vram_GB": torch.cuda.max_memory_allocated() / 1e9, "weights_GB": weight_bytes / 1e9,
         "tokens_per_s": args.batch * args.seq * acc / seconds, "max_grad_norm": clip,
+        # allocations that found no room until the caching allocator gave its free blocks back
+        # (each a device synchronization): a sign of a peak too close to a cap
+        "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries,
     }
     if compiling:  # how often torch.compile split the model, at which functions, into how many graphs
         counters = torch._dynamo.utils.counters

@@ -46,9 +46,9 @@ context = functools.partial(create_selective_checkpoint_contexts, _policy)
 
 class Census(TorchDispatchMode):
     """Inside one block's forward: the bytes of the outputs light recompute keeps, the ops it
-    would run again with the bytes they write (views write nothing), and every op dispatched. Every kept op's output is a
-    storage of its own, alive until backward: summed, not told apart by address (a freed one's
-    address is reused). `mutated`: an op wrote into a kept output in place (an in-place ReLU
+    would run again with the bytes they write (views write nothing), and every op dispatched.
+    Every kept op's output is a storage of its own, alive until backward: summed, not told apart
+    by address (a freed one's address is reused). `mutated`: an op wrote into a kept output in place (an in-place ReLU
     after a linear layer, say), which selective checkpointing refuses in backward: such a block
     is not offered light recompute. Kept outputs are known by their storage, held weakly: when
     the forward pages one out and frees it, a new tensor at its address is not mistaken for it.

@@ -162,8 +162,8 @@ class ActivationPager:
         self._inputs_seen: dict[int, weakref.ref] = {}  # their storages (one shared by blocks counts once)
         self._replaced_forwards: dict[int, object] = {}  # recomputed block -> its own forward attribute
         # Light recompute's census (light.py), taken in the first profiled forward when asked for:
-        # per block, (bytes it would keep besides its inputs, its cheap ops, the bytes they write),
-        # None for a block that writes into its matmuls' outputs in place
+        # per block, (bytes it would keep besides its inputs, its cheap ops, the bytes they write,
+        # every op it dispatches), None for a block that writes into its matmuls' outputs in place
         self.light_census = False
         self.light: list[tuple[int, int, int, int] | None] | None = None
         self._census: light_recompute.Census | None = None
