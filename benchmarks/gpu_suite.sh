@@ -52,7 +52,7 @@ trainstream+offload,trainstream+offload+waitclip,trainstream --json "$out/clippi
 fi
 if has spec_timeline; then  # where an offloaded step's time goes without clipping and with a norm that never clips
   for clip in none 1e9; do
-    python3 "$repo/benchmarks/step_timeline.py" --mode trainstream --steps 3 $([ "$clip" = none ] || echo --clip "$clip") \
+    python3 "$repo/benchmarks/step_timeline.py" --mode trainstream --steps 10 $([ "$clip" = none ] || echo --clip "$clip") \
       --json "$out/timeline_clip_$clip.json" 2>&1 | tail -16
   done
 fi

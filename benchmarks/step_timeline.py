@@ -118,6 +118,7 @@ def run(args) -> dict:
     for _ in range(args.warmup):
         step(lambda name: None)
     finish()
+    engine = opt._pipeline.stats() if base == "trainstream" else None
     for _ in range(args.steps):
         step(marks)
     finish()
@@ -142,6 +143,11 @@ def run(args) -> dict:
     result = {"mode": args.mode, "device": str(device), "acc": args.acc, "max_grad_norm": args.clip, "steps": steps}
     if base == "trainstream":
         result["speculation"] = opt.report()["speculation"]
+        # the host engine's busy time a timed step: what speculation adds to the host's work shows here
+        now = opt._pipeline.stats()
+        busy, updated = now["busy_seconds"] - engine["busy_seconds"], now["updated_elements"] - engine["updated_elements"]
+        result["host_engine"] = {"busy_ms_per_step": 1e3 * busy / args.steps, "elements_per_step": updated / args.steps,
+                                 "ns_per_element": 1e9 * busy / updated if updated else None}
     return result
 
 
@@ -159,6 +165,10 @@ def print_timeline(result: dict) -> None:
         for side in ("gpu", "host") if cuda else ("host",):
             starts = " ".join(f"{t:.0f}" for t in step[f"block_starts_{side}_ms"])
             print(f"{s:>4}  blocks start, {side} ms after forward 0: {starts}")
+    if "host_engine" in result:
+        e = result["host_engine"]
+        print(f"host engine: busy {e['busy_ms_per_step']:.1f} ms a step, {e['elements_per_step'] / 1e6:.0f}M elements"
+              + (f", {e['ns_per_element']:.3f} ns each" if e["ns_per_element"] else ""))
 
 
 def main(argv=None) -> int:

@@ -44,6 +44,12 @@ def test_timeline_accounts_for_every_micro_batch(mode, tmp_path):
         assert len(starts) == 2 and 0 < starts[0] < starts[1] < step["phases"][0]["host_ms"]
     assert done.stdout.count("whole step") == 2 and "GPU ms" not in done.stdout
     assert done.stdout.count("blocks start, host ms") == 2
+    if mode.startswith("trainstream"):  # every parameter updated on the host, each timed step
+        engine = result["host_engine"]
+        assert engine["elements_per_step"] == 98624 and engine["busy_ms_per_step"] > 0  # (the tiny model's parameters)
+        assert "host engine: busy" in done.stdout
+    else:
+        assert "host_engine" not in result
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present")

@@ -948,7 +948,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
             prof = pager.profile
             casts = figures.block_cast_bytes or [0] * len(pager.blocks)
             tied = shared_outside(pager.blocks, self._model)
-            light = pager.light or [None] * len(pager.blocks)  # (kept bytes, cheap ops, bytes they write, ops)
+            light = pager.light or [None] * len(pager.blocks)  # (kept bytes, cheap ops, bytes they write, all ops)
             op_host_s = light_recompute.dispatch_seconds(self._device) if pager.light else 0.0
             blocks = [planner.BlockCost(b, i, t, c, weight_bytes=sum(p.numel() * p.element_size()
                                                                      for p in pager.blocks[j].parameters()),
