@@ -33,24 +33,23 @@ from trainstream.testing import causal_lm_loss
 def variations(profile: planner.Profile, chosen: planner.Plan) -> list[tuple[str, planner.Plan]]:
     """The plans to measure, in an order that can be applied one after another."""
     n, blocks = len(profile.params), len(profile.blocks)
+    bare = replace(chosen, recomputed=(), light=())  # (a variation recomputes only what it names)
     out = [("chosen", chosen),
            ("chosen, every parameter resident", replace(chosen, resident=n)),
-           ("chosen, no block recomputed", replace(chosen, recomputed=(), light=())),
-           ("everything resident, nothing recomputed", replace(chosen, resident=n, recomputed=(), light=())),
-           ("only the last parameter in forward order offloaded",
-            replace(chosen, resident=n - 1, recomputed=(), light=())),
-           ("half the parameters offloaded", replace(chosen, resident=n // 2, recomputed=(), light=()))]
+           ("chosen, no block recomputed", bare),
+           ("everything resident, nothing recomputed", replace(bare, resident=n)),
+           ("only the last parameter in forward order offloaded", replace(bare, resident=n - 1)),
+           ("half the parameters offloaded", replace(bare, resident=n // 2))]
     if blocks:
         out.append((f"every parameter resident, {blocks // 2} blocks recomputed",
-                    replace(chosen, resident=n, recomputed=tuple(range(blocks // 2)), light=())))
+                    replace(bare, resident=n, recomputed=tuple(range(blocks // 2)))))
         # the saved-tensor hooks with nothing paged: the autocast copies recast in backward
-        out.append(("everything resident, hooks on, nothing paged", replace(chosen, resident=n, recomputed=(), light=(),
-                                                                            hooks=True, paged=0)))
+        out.append(("everything resident, hooks on, nothing paged", replace(bare, resident=n, hooks=True, paged=0)))
         out.append(("chosen, hooks on, nothing paged", replace(chosen, hooks=True, paged=0)))
         if all(b.light_bytes is not None for b in profile.blocks):  # (--light)
             for k in (blocks // 2, blocks):
                 out.append((f"everything resident, {k} blocks recomputed lightly",
-                            replace(chosen, resident=n, recomputed=(), light=tuple(range(k)))))
+                            replace(bare, resident=n, light=tuple(range(k)))))
     # the first variation runs right after planning: the same plan again, with everything since
     # behind it, tells that apart from the plan's own cost
     out.append(("chosen, again", chosen))

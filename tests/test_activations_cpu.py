@@ -554,7 +554,7 @@ def test_a_blocks_profiled_time_leaves_out_what_the_hooks_took():
         model.zero_grad()
         model(x).backward()
         if step == 1:
-            hooks = list(pager.last.block_hook_seconds)
+            hooks = list(pager._hook_times)
     assert all(h >= 0.02 for h in hooks)  # each block saves its linear's input and the GELU's
     assert all(0 < t < 0.01 for t in pager.profile.block_seconds), (pager.profile.block_seconds, hooks)
 

@@ -48,9 +48,9 @@ class Census(TorchDispatchMode):
     """Inside one block's forward: the bytes of the outputs light recompute keeps, the ops it
     would run again with the bytes they write (views write nothing), and every op dispatched.
     Every kept op's output is a storage of its own, alive until backward: summed, not told apart
-    by address (a freed one's address is reused). `mutated`: an op wrote into a kept output in place (an in-place ReLU
-    after a linear layer, say), which selective checkpointing refuses in backward: such a block
-    is not offered light recompute. Kept outputs are known by their storage, held weakly: when
+    by address (a freed one's address is reused). `mutated`: an op wrote into a kept output in
+    place (an in-place ReLU after a linear layer, say), which selective checkpointing refuses in
+    backward: such a block is not offered light recompute. Kept outputs are known by their storage, held weakly: when
     the forward pages one out and frees it, a new tensor at its address is not mistaken for it.
     Ops run `aside()` are not the block's and are not counted."""
 
@@ -84,11 +84,12 @@ class Census(TorchDispatchMode):
             self.mutated |= any(StorageWeakRef(t.untyped_storage()) in self._kept for t in tensors_in(written))
         out = func(*args, **(kwargs or {}))
         inputs = {t.untyped_storage().data_ptr() for t in tensors_in((args, kwargs or {}))}
-        fresh = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors_in(out)}
+        storages = [t.untyped_storage() for t in tensors_in(out)]
+        fresh = {st.data_ptr(): st.nbytes() for st in storages}
         written = sum(n for key, n in fresh.items() if key not in inputs)
         if kept(func):
             self.kept_bytes += written
-            self._kept.update(StorageWeakRef(t.untyped_storage()) for t in tensors_in(out))
+            self._kept.update(StorageWeakRef(st) for st in storages)
         elif written:
             self.redone_ops += 1
             self.redone_bytes += written

@@ -158,6 +158,7 @@ class ActivationPager:
         self.last = StepFigures()  # figures of the last finished forward
         self._times: list = []  # (block, start mark, end mark) for each block run in the timed forward
         self._host_times: list[float] = []  # per block, the host's time in it (timed forward)
+        self._hook_times: list[float] = []  # per block, the part of it the hooks took
         self._input_bytes: list[int] = []  # per block, its tensor inputs in the timed forward
         self._inputs_seen: dict[int, weakref.ref] = {}  # their storages (one shared by blocks counts once)
         self._replaced_forwards: dict[int, object] = {}  # recomputed block -> its own forward attribute
@@ -238,14 +239,14 @@ class ActivationPager:
         self._stored_by_block = [[] for _ in self.blocks]
         self._prefetched = set()
         self._casts = {}
-        self._figures = StepFigures(block_bytes=[0] * len(self.blocks), block_cast_bytes=[0] * len(self.blocks),
-                                    block_hook_seconds=[0.0] * len(self.blocks))
+        self._figures = StepFigures(block_bytes=[0] * len(self.blocks), block_cast_bytes=[0] * len(self.blocks))
         if self._cuda and (self._timing or self._fresh_plan):  # the profile's peak, then the plan's
             torch.cuda.reset_peak_memory_stats(self.device)
         self._fresh_plan = False
         if self._timing:
             self._times = []
             self._host_times = [0.0] * len(self.blocks)
+            self._hook_times = [0.0] * len(self.blocks)
             self._input_bytes = [0] * len(self.blocks)
             self._inputs_seen = {}
             self._backward_peak = None
@@ -273,7 +274,7 @@ class ActivationPager:
                 spent = time.perf_counter() - start
                 figures.hook_seconds += spent
                 if self._current is not None:
-                    figures.block_hook_seconds[self._current] += spent
+                    self._hook_times[self._current] += spent
         return timed
 
     def _model_post(self, module, args, output):
@@ -594,8 +595,7 @@ class ActivationPager:
         # A block's forward as it runs again in backward or in a plan without our hooks: its
         # time on the compute stream or on the host, whichever was longer (the device waits for a
         # host that falls behind), less what the hooks took on the host inside it.
-        hooks = self.last.block_hook_seconds or [0.0] * len(self.blocks)
-        times = [max(t, h) - k for t, h, k in zip(times, self._host_times, hooks)]
+        times = [max(t, h) - k for t, h, k in zip(times, self._host_times, self._hook_times)]
         d2h, h2d = measure_copy_bandwidth(self.device)
         peak = self.observed_peak_bytes()
         if peak is not None and self._backward_peak:

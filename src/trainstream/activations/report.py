@@ -17,7 +17,6 @@ class StepFigures:
     paging_seconds: float = 0.0  # the part of it spent paging (a plan that pages nothing does not spend it)
     keeping_seconds: float = 0.0  # and on the tensors kept on the device (skipped too when nothing is paged)
     block_cast_bytes: list = field(default_factory=list)  # recast and shared casts, per block
-    block_hook_seconds: list = field(default_factory=list)  # the hooks' host time inside each block (profiled step)
     outside_cast_bytes: int = 0  # the same outside the blocks
     kept_bytes: int = 0  # activations that paging would move, left on the device
     on_demand: int = 0  # unpacks whose copy had not been prefetched
