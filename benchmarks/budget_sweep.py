@@ -50,6 +50,7 @@ def run(mode: str, args, cap_gb: float | None) -> dict:
     report = result.pop("report", None)
     if report is not None:
         result["placement"] = summary(report["placement"])
+        result["speculation"] = report["speculation"]  # with clipping: windows committed, redone, waited
         result["plan"] = {k: report["placement"].get(k) for k in ("expected_step_s", "step_terms", "moves", "profile",
                                                                   "recomputed", "recomputed_lightly",
                                                                   "blocks", "resident_params", "streamed_blocks")}

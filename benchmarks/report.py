@@ -491,6 +491,7 @@ TABLES = {
     "clipping_acc1": runs("clipping_acc1"),
     "clipping_acc1_streamed": runs("clipping_acc1_streamed"),
     "clipping_acc1_rerun": runs("clipping_acc1_rerun"),
+    "clipping_acc1_verdict": runs("clipping_acc1_verdict"),
     "hf_trainer": hf_trainer("hf_trainer"),
     "hf_trainer_compiled_gate": hf_trainer("hf_trainer_compiled_gate"),
     "compile_acc8": runs("compile_acc8"),

@@ -3,6 +3,7 @@
     python benchmarks/step_timeline.py --mode trainstream+vramacc --acc 8 --steps 2
     python benchmarks/step_timeline.py --mode trainstream+paged --vram-budget 6GB --weights bf16
     python benchmarks/step_timeline.py --mode trainstream --clip 1e9   # speculated clipping, never clipping
+    python benchmarks/step_timeline.py --mode trainstream+planned --vram-budget 20GB --clip 1.0 --warmup 5
 
 Same model and modes as train_step.py. For each timed step it prints how long every forward and
 backward took on the GPU (CUDA events on the compute stream) and on the host (Python's clock,
@@ -34,7 +35,7 @@ import trainstream
 from trainstream.activations import find_blocks
 from trainstream.testing import causal_lm_loss
 
-MODES = ("gpu-adamw", "trainstream", "trainstream+vramacc", "trainstream+paged")
+MODES = ("gpu-adamw", "trainstream", "trainstream+vramacc", "trainstream+paged", "trainstream+planned")
 
 
 class Marks:
@@ -68,7 +69,12 @@ def run(args) -> dict:
     fused = device.type == "cuda" and base == "gpu-adamw"
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=fused)
     settle = lambda: None
-    if base == "trainstream":
+    if variant == "planned":  # what wrap() does with no option: the planner places everything
+        model, opt = trainstream.wrap(model, opt, accumulation_steps=args.acc, max_grad_norm=args.clip,
+                                      vram_budget=args.vram_budget,
+                                      tuning=trainstream.Tuning(threads=args.threads))
+        settle = opt.synchronize
+    elif base == "trainstream":
         tuning = trainstream.Tuning(placement="offload", accumulate_in_vram=variant == "vramacc",
                                     threads=args.threads, prefetch_depth=args.prefetch_depth)
         model, opt = trainstream.wrap(model, opt, accumulation_steps=args.acc, tuning=tuning,
@@ -143,6 +149,8 @@ def run(args) -> dict:
     result = {"mode": args.mode, "device": str(device), "acc": args.acc, "max_grad_norm": args.clip, "steps": steps}
     if base == "trainstream":
         result["speculation"] = opt.report()["speculation"]
+        if opt.plan is not None:
+            result["placement"] = opt.describe()
         # the host engine's busy time a timed step: what speculation adds to the host's work shows here
         now = opt._pipeline.stats()
         busy, updated = now["busy_seconds"] - engine["busy_seconds"], now["updated_elements"] - engine["updated_elements"]
@@ -165,6 +173,8 @@ def print_timeline(result: dict) -> None:
         for side in ("gpu", "host") if cuda else ("host",):
             starts = " ".join(f"{t:.0f}" for t in step[f"block_starts_{side}_ms"])
             print(f"{s:>4}  blocks start, {side} ms after forward 0: {starts}")
+    if "placement" in result:
+        print(result["placement"])
     if "host_engine" in result:
         e = result["host_engine"]
         print(f"host engine: busy {e['busy_ms_per_step']:.1f} ms a step, {e['elements_per_step'] / 1e6:.0f}M elements"

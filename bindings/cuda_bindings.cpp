@@ -78,13 +78,15 @@ void bind_cuda(py::module_& m) {
       "is a float in device memory that replaces grad_scale.");
   m.def("device_clip_scale",
         [](int device, std::uintptr_t stream, std::uintptr_t squares, std::size_t count, double max_norm, double eps,
-           std::uintptr_t scale) {
+           std::uintptr_t scale, std::uintptr_t verdict) {
           py::gil_scoped_release release;
-          launch_clip_scale(device, as_ptr<const double>(squares), count, max_norm, eps, as_ptr<float>(scale), stream);
+          launch_clip_scale(device, as_ptr<const double>(squares), count, max_norm, eps, as_ptr<float>(scale),
+                            as_ptr<double>(verdict), stream);
         },
         py::arg("device"), py::arg("stream"), py::arg("squares"), py::arg("count"), py::arg("max_norm"), py::arg("eps"),
-        py::arg("scale"),
-        "Queues *scale = min(1, max_norm / (sqrt(sum of squares, in order) + eps)) as a float in device memory.");
+        py::arg("scale"), py::arg("verdict") = 0,
+        "Queues *scale = min(1, max_norm / (sqrt(sum of squares, in order) + eps)) as a float in device memory "
+        "(scale 0: not written); verdict, where given, receives two doubles: that float and the norm.");
   m.def("device_norm_scratch", [](const std::vector<std::size_t>& numels) {
     return squared_norm_scratch(numels.data(), numels.size());
   }, py::arg("numels"), "Doubles of device scratch device_squared_norms needs.");

@@ -18,8 +18,10 @@ struct HostView {
 };
 
 GradJob make_job(const AdamWHyper& hyper, bool accumulate, bool overwrite, bool from_accumulator, bool norm,
-                 bool update, std::uintptr_t device_weight, bool speculate, bool commit) {
+                 bool update, std::uintptr_t device_weight, bool speculate, bool commit,
+                 std::shared_ptr<ClipScale> scale = nullptr) {
   GradJob job;
+  job.scale = std::move(scale);
   job.accumulate = accumulate;
   job.overwrite = overwrite;
   job.from_accumulator = from_accumulator;
@@ -78,6 +80,19 @@ void bind_pipeline(py::module_& m) {
       "Bytes of one buffer: master, exp_avg, exp_avg_sq, grad, accumulator, or (with speculation) "
       "next_exp_avg, next_exp_avg_sq, next_master; with keep_weights_on_host, weights (the weights in their "
       "dtype). A commit swaps each next_ buffer with its twin.");
+
+  py::class_<ClipScale, std::shared_ptr<ClipScale>>(m, "ClipScale",
+                                                     "A window's clip coefficient on its way from the device.")
+      .def_property_readonly("landed", &ClipScale::landed)
+      .def_property_readonly("value", [](const ClipScale& c) {
+        return c.landed() ? std::optional<float>(c.value()) : std::nullopt;
+      })
+      .def_property_readonly("norm", [](const ClipScale& c) {
+        return c.landed() ? std::optional<double>(c.norm()) : std::nullopt;
+      })
+      .def_property_readonly("commits", [](const ClipScale& c) {
+        return c.landed() ? std::optional<bool>(c.commits()) : std::nullopt;
+      }, "Whether updates speculated with a coefficient of 1 stand (None until landed).");
 
   py::class_<OffloadPipeline> pipeline(m, "OffloadPipeline");
   pipeline
@@ -138,15 +153,15 @@ void bind_pipeline(py::module_& m) {
   def_with_hyper(
       pipeline, "submit", HyperKeywords::defaulted,
       [](const AdamWHyper& hyper, OffloadPipeline& o, const std::shared_ptr<HostParam>& p, bool from_accumulator,
-         bool norm, bool update, std::uintptr_t device_weight, bool speculate, bool commit) {
-        const GradJob job =
-            make_job(hyper, false, false, from_accumulator, norm, update, device_weight, speculate, commit);
+         bool norm, bool update, std::uintptr_t device_weight, bool speculate, bool commit, const py::object& scale) {
+        const GradJob job = make_job(hyper, false, false, from_accumulator, norm, update, device_weight, speculate,
+                                     commit, scale.is_none() ? nullptr : scale.cast<std::shared_ptr<ClipScale>>());
         py::gil_scoped_release release;
         o.submit(p, job);
       },
       py::arg("param"), py::kw_only(), py::arg("from_accumulator") = false, py::arg("norm") = false,
       py::arg("update") = false, py::arg("device_weight") = 0, py::arg("speculate") = false,
-      py::arg("commit") = false);
+      py::arg("commit") = false, py::arg("scale") = py::none());
   pipeline
       .def("enable_speculation", [](OffloadPipeline& o, HostParam& p) {
              py::gil_scoped_release release;
@@ -159,6 +174,16 @@ void bind_pipeline(py::module_& m) {
       .def_static("speculation_bytes", [](std::size_t numel, const std::string& dtype) {
              return OffloadPipeline::speculation_bytes(numel, parse_dtype(dtype));
            }, py::arg("numel"), py::arg("weight_dtype"))
+      .def("land_scale", [](OffloadPipeline& o, std::uintptr_t verdict, std::uintptr_t stream) {
+             py::gil_scoped_release release;
+             return o.land_scale(verdict, stream);
+           }, py::arg("device_verdict"), py::arg("stream") = 0,
+           "Queues the download of a window's clip verdict (two doubles in device memory: the coefficient "
+           "and the norm, written by work queued on `stream`); jobs submitted with scale= wait for it.")
+      .def("wait_scale", [](OffloadPipeline& o, const ClipScale& scale) {
+             py::gil_scoped_release release;
+             o.wait(scale);
+           }, py::arg("scale"), "Waits until the verdict has landed.")
       .def("abandon_speculation", [](OffloadPipeline& o) {
              py::gil_scoped_release release;
              return o.abandon_speculation();

@@ -15,16 +15,24 @@ THRESHOLDS = [1e9, 1e9, 1e-3, 1e-3, 1e9, 1e9, 1e9]
 
 
 def run(*, speculate: bool, acc: int = 1, dtype=torch.float32, placement="offload", in_vram=None,
-        thresholds=THRESHOLDS, device="cpu"):
+        thresholds=THRESHOLDS, device="cpu", engine_waits=True):
     """Trains a few steps with max_grad_norm changed per step; returns losses, norms, weights,
     optimizer state and the optimizer. On CUDA under bf16 autocast (fp32 weights' gradients then
-    cross as bf16)."""
+    cross as bf16). `engine_waits=False` has step() read the clip coefficient on the host even
+    where every norm is on the device (as it does under DDP); the optimizer's `verdicts` counts the
+    windows whose coefficient the host engine waited for instead."""
     torch.manual_seed(0)
     model = TinyLM().to(device, dtype)
     opt = torch.optim.AdamW(param_groups(model), lr=3e-3, betas=(0.9, 0.95))
     model, opt = trainstream.wrap(model, opt, max_grad_norm=thresholds[0], accumulation_steps=acc,
                                   tuning=trainstream.Tuning(placement=placement, accumulate_in_vram=in_vram))
     opt.speculative_clipping = speculate
+    opt.verdicts = []
+    if engine_waits:
+        land = opt._land_verdict
+        opt._land_verdict = lambda *args: opt.verdicts.append(1) or land(*args)
+    else:
+        opt._verdict_on_device = lambda: False
     g = torch.Generator(device=device).manual_seed(1)
     losses, norms = [], []
     for threshold in thresholds:
@@ -75,6 +83,23 @@ def test_speculation_gives_the_waiting_paths_bits(acc, dtype, in_vram, placement
     # steps 1-2 hit, 3 misses (predicted no clip), 4 waits (3 clipped), 5 waits (4 clipped), 6-7 hit
     assert (spec["hits"], spec["misses"], spec["waited"]) == (4, 1, 2)
     assert waiting[4].report()["speculation"]["hits"] == 0
+
+
+@pytest.mark.parametrize("speculate", [False, True], ids=["waiting", "speculating"])
+@pytest.mark.parametrize("acc,in_vram,placement", [(1, None, "offload"), (1, None, 0.5), (4, True, 0.5)],
+                         ids=["offloaded", "half-resident", "acc4-vram-sums-half-resident"])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_the_engine_waiting_for_the_coefficient_gives_the_bits_of_reading_it_on_the_host(
+        speculate, acc, in_vram, placement, device):
+    """Where every norm is on the device, the clip coefficient is computed there and the host engine
+    waits for it, committing or redoing speculated steps itself, so that no thread waits at step()."""
+    here = run(speculate=speculate, acc=acc, in_vram=in_vram, placement=placement, device=device, engine_waits=False)
+    engine = run(speculate=speculate, acc=acc, in_vram=in_vram, placement=placement, device=device)
+    assert_same_bits(here, engine)
+    assert len(engine[4].verdicts) == len(THRESHOLDS) and not here[4].verdicts
+    assert here[4].report()["speculation"] == engine[4].report()["speculation"]
+    if speculate:
+        assert engine[4].report()["speculation"]["misses"] == 1
 
 
 def test_state_dict_after_commits_holds_the_committed_state_and_resumes_identically():

@@ -13,6 +13,7 @@ import torch
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "step_timeline.py"
 MODES = ("gpu-adamw", "trainstream", "trainstream+vramacc", "trainstream+paged")
+PLANNED = "trainstream+planned"  # wrap() with no placement option: the planner's plan
 TINY = ["--device", "cpu", "--hidden", "64", "--layers", "2", "--heads", "4", "--intermediate", "128",
         "--vocab", "128", "--batch", "2", "--seq", "16", "--warmup", "1", "--steps", "2"]
 
@@ -24,7 +25,16 @@ def timeline(*args: str) -> subprocess.CompletedProcess:
 def test_the_modes_are_the_scripts():
     done = timeline("--help")
     assert done.returncode == 0, done.stderr
-    assert "{" + ",".join(MODES) + "}" in done.stdout
+    assert "{" + ",".join((*MODES, PLANNED)) + "}" in done.stdout
+
+
+def test_the_planned_mode_times_the_plan_and_describes_it(tmp_path):
+    out = tmp_path / "timeline.json"
+    done = timeline(*TINY, "--warmup", "4", "--mode", PLANNED, "--clip", "1.0", "--json", str(out))  # (the last --warmup counts)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(out.read_text())
+    assert len(result["steps"]) == 2 and result["max_grad_norm"] == 1.0
+    assert result["placement"].startswith("placement: ") and result["placement"] in done.stdout
 
 
 @pytest.mark.parametrize("mode", MODES)

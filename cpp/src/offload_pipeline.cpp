@@ -217,6 +217,61 @@ std::size_t OffloadPipeline::keep_weights_on_host(HostParam& p) {
   return bytes;
 }
 
+std::shared_ptr<ClipScale> OffloadPipeline::land_scale(std::uintptr_t device_verdict, std::uintptr_t producer_stream) {
+  constexpr std::size_t bytes = 2 * sizeof(double);
+  if (verdict_host_ == nullptr) {  // (verdicts are queued from one thread, the caller's)
+    verdict_slot_ = transfer_->make_slot();
+    verdict_host_ = static_cast<double*>(transfer_->arena().allocate(bytes));
+  }
+  auto scale = std::make_shared<ClipScale>();
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    rethrow_locked();
+    for (auto* tasks : {&queue_, &running_}) {
+      for (auto& t : *tasks) {
+        if (t->job.speculate && !t->verdict) t->verdict = scale;
+      }
+    }
+    downloading_bytes_ += bytes;  // (the destructor waits for the callback below)
+  }
+  auto landed = [this, scale] {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      downloading_bytes_ -= bytes;
+      scale->value_ = static_cast<float>(verdict_host_[0]);
+      scale->norm_ = verdict_host_[1];
+      scale->landed_.store(true, std::memory_order_release);
+      if (!scale->commits()) {  // the speculated steps will be redone: stop them now
+        for (auto* tasks : {&queue_, &running_}) {
+          for (auto& t : *tasks) {
+            if (t->verdict == scale) t->skip = true;
+          }
+        }
+      }
+    }
+    landed_.notify_all();
+    work_ready_.notify_all();
+  };
+  try {
+    transfer_->download(*verdict_slot_, verdict_host_, reinterpret_cast<const void*>(device_verdict), bytes,
+                        producer_stream, std::move(landed));
+  } catch (...) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      downloading_bytes_ -= bytes;
+    }
+    landed_.notify_all();
+    throw;
+  }
+  return scale;
+}
+
+void OffloadPipeline::wait(const ClipScale& scale) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  landed_.wait(lock, [&] { return scale.landed() || error_; });
+  rethrow_locked();
+}
+
 std::size_t OffloadPipeline::abandon_speculation() {
   std::lock_guard<std::mutex> lock(mutex_);
   std::size_t cut = 0;
@@ -244,8 +299,12 @@ void OffloadPipeline::check_job(const HostParam& p, const GradJob& job) {
              "OffloadPipeline: speculation requested for a parameter without next-state buffers "
              "(enable_speculation)");
   TS_EXPECTS(!job.speculate || job.update, "OffloadPipeline: a speculative job must be an update");
-  TS_EXPECTS(!job.commit || !(job.accumulate || job.norm || job.update),
-             "OffloadPipeline: a commit does nothing but commit");
+  TS_EXPECTS(!(job.speculate && job.scale), "OffloadPipeline: a speculative update has a clip coefficient of 1");
+  TS_EXPECTS(!job.scale || job.update, "OffloadPipeline: a clip coefficient is for an update");
+  TS_EXPECTS(!job.commit || !(job.accumulate || job.norm || job.from_accumulator || job.speculate),
+             "OffloadPipeline: a commit does nothing but commit (and redo the step, when clipped)");
+  TS_EXPECTS(!job.commit || job.update == (job.scale != nullptr),
+             "OffloadPipeline: a commit redoes the step only when it waits for a clip coefficient");
 }
 
 void OffloadPipeline::enqueue(const std::shared_ptr<HostParam>& p, const GradJob& job, bool landing, bool packed) {
@@ -276,7 +335,7 @@ std::unique_ptr<OffloadPipeline::Task> OffloadPipeline::pick_locked() {
   for (auto it = queue_.begin(); it != queue_.end(); ++it) {
     const Task& t = **it;
     const HostParam& p = *t.param;
-    if (t.seq != p.done_ + 1 || p.landed_ < t.download) continue;
+    if (t.seq != p.done_ + 1 || p.landed_ < t.download || (t.job.scale && !t.job.scale->landed())) continue;
     if (best == queue_.end()) {
       best = it;
       continue;
@@ -297,8 +356,13 @@ std::unique_ptr<OffloadPipeline::Task> OffloadPipeline::pick_locked() {
 // Under the mutex: what the job's chunks read and how they are cut.
 void OffloadPipeline::start(Task& task) {
   HostParam& p = *task.param;
-  const GradJob& job = task.job;
+  GradJob& job = task.job;
   if (error_) task.skip = true;  // after a failure, jobs are drained unrun (as are abandoned ones)
+  if (job.scale) {
+    job.hyper.grad_scale = job.scale->value();
+    if (job.commit && job.scale->commits()) job.update = false;  // the speculated step stands
+  }
+  const bool redo = job.commit && job.update;  // the clipped step, into the next-state buffers
   if (task.landing) {  // this job's own download: what it wrote, for this job and the later ones
     p.landing_dtype_ = p.weight_dtype;
     if (task.packed) {
@@ -316,11 +380,7 @@ void OffloadPipeline::start(Task& task) {
   task.chunk = chunk_elements(p.numel, workers_.size());  // whole norm blocks
   const bool elementwise = job.accumulate || job.norm || job.update;
   const bool fp32_term = upload_terms_ && p.weight_dtype == DType::float32 && job.device_weight != 0;
-  if (job.commit && !task.skip) {
-    // The speculative update before it (this parameter's jobs run in order) has finished.
-    std::swap(p.exp_avg, p.next_exp_avg);
-    std::swap(p.exp_avg_sq, p.next_exp_avg_sq);
-    if (p.weight_dtype == DType::bfloat16) std::swap(p.master, p.next_master);
+  if (job.commit && !job.update && !task.skip) {  // (finish() swaps and uploads)
     task.buffers.term_only = fp32_term;
     task.coeffs = adamw_coeffs(job.hyper);  // validated when the job was made
   }
@@ -340,7 +400,7 @@ void OffloadPipeline::start(Task& task) {
     b.numel = p.numel;
     // fp32 weights: the master buffer receives the update term, and the device applies it.
     b.term_only = fp32_term;
-    if (job.speculate) {
+    if (job.speculate || redo) {
       // The term is no state (the device holds the weights), so it may be written over; the
       // moments and a bf16 master may not, nor the landing buffer (a redo reads the gradient).
       b.exp_avg_out = p.next_exp_avg;
@@ -351,7 +411,7 @@ void OffloadPipeline::start(Task& task) {
       }
     }
     try {
-      TS_EXPECTS(!job.speculate || b.term_only || bf16,
+      TS_EXPECTS(!(job.speculate || redo) || b.term_only || bf16,
                  "OffloadPipeline: fp32 weights speculate only with upload_terms (their master is state)");
       validate_buffers(b);
       task.coeffs = adamw_coeffs(job.hyper);
@@ -404,6 +464,13 @@ void OffloadPipeline::finish(Task& task) {
     double total = 0;
     for (double s : task.partial) total += s;
     p.squared_norm = total;
+  }
+  if (task.job.commit) {
+    // The speculated (or redone) step becomes the state: this parameter's jobs run in order, so
+    // no other job reads these pointers now.
+    std::swap(p.exp_avg, p.next_exp_avg);
+    std::swap(p.exp_avg_sq, p.next_exp_avg_sq);
+    if (p.weight_dtype == DType::bfloat16) std::swap(p.master, p.next_master);
   }
   if (task.job.device_weight == 0 || task.job.speculate) return;  // a speculation uploads at its commit
   void* device = reinterpret_cast<void*>(task.job.device_weight);

@@ -139,13 +139,20 @@ __global__ void norm_sum_kernel(const NormBatch batch, const double* __restrict_
 
 // The clip coefficient from per-tensor squared norms, as OffloadedAdamW computes it on the host:
 // the squares added in order, sqrt, max_norm / (norm + eps), at most 1 (NaN gives 1, as Python's
-// min(1.0, nan) does), rounded to float where the host hands it to the kernel.
+// min(1.0, nan) does), rounded to float where the host hands it to the kernel. `verdict`, where
+// given, receives that float (widened) and the norm, for the host engine.
 __global__ void clip_scale_kernel(const double* __restrict__ squares, std::size_t count, double max_norm, double eps,
-                                  float* __restrict__ scale) {
+                                  float* __restrict__ scale, double* __restrict__ verdict) {
   double total = 0;
   for (std::size_t k = 0; k < count; ++k) total = __dadd_rn(total, squares[k]);
-  const double coefficient = __ddiv_rn(max_norm, __dadd_rn(__dsqrt_rn(total), eps));
-  *scale = __double2float_rn(coefficient < 1.0 ? coefficient : 1.0);
+  const double norm = __dsqrt_rn(total);
+  const double coefficient = __ddiv_rn(max_norm, __dadd_rn(norm, eps));
+  const float rounded = __double2float_rn(coefficient < 1.0 ? coefficient : 1.0);
+  if (scale) *scale = rounded;
+  if (verdict) {
+    verdict[0] = rounded;
+    verdict[1] = norm;
+  }
 }
 
 std::size_t norm_blocks(std::size_t numel) { return (numel + kNormBlock - 1) / kNormBlock; }
@@ -218,9 +225,9 @@ void launch_squared_norms(int device, const void* const* grads, const DType* dty
 }
 
 void launch_clip_scale(int device, const double* squares, std::size_t count, double max_norm, double eps,
-                       float* scale, std::uintptr_t stream_handle) {
+                       float* scale, double* verdict, std::uintptr_t stream_handle) {
   DeviceScope on_device(device);
-  clip_scale_kernel<<<1, 1, 0, as_stream(stream_handle)>>>(squares, count, max_norm, eps, scale);
+  clip_scale_kernel<<<1, 1, 0, as_stream(stream_handle)>>>(squares, count, max_norm, eps, scale, verdict);
   TS_CUDA_CHECK(cudaGetLastError());
 }
 

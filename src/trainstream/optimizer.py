@@ -193,7 +193,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self._norm_on_device: set = set()  # the slots of the window last_grad_norm reports whose norms they are
         self._speculation_on = True  # speculative_clipping
         self._last_unclipped = True  # the last window's norm did not clip (or there was none): speculate
-        self.speculation = {"params": 0, "host_bytes": 0, "hits": 0, "misses": 0, "waited": 0}
+        self._speculation = {"params": 0, "host_bytes": 0, "hits": 0, "misses": 0, "waited": 0}
+        self._verdict = None  # the last window's clip verdict on its way from the device, and what it decides
         self._streamer: WeightStreamer | None = None
         self._prefetch_depth = prefetch_depth
         self._register(model, streamed or [])
@@ -307,7 +308,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
             position = next(k for k, m in enumerate(self._model.modules()) if m is module)
             self._streamer.add(module, position, self._streamed_host,
                                lambda stream, hosts=hosts: self._pipeline.gate(hosts, stream) if hosts else None)
-        self.speculation["params"] = sum(self._speculates(s) for s in self._order)
+        self._speculation["params"] = sum(self._speculates(s) for s in self._order)
         self._build_gates()
 
     def _streamed_host(self, p: torch.nn.Parameter) -> torch.Tensor | None:
@@ -401,12 +402,12 @@ class OffloadedAdamW(torch.optim.Optimizer):
             if need > room:
                 continue
             room -= need
-            self.speculation["host_bytes"] += self._pipeline.enable_speculation(s.host)
+            self._speculation["host_bytes"] += self._pipeline.enable_speculation(s.host)
             s.next_state = {"exp_avg": self._host_tensor(s.host, "next_exp_avg", s.weight),
                             "exp_avg_sq": self._host_tensor(s.host, "next_exp_avg_sq", s.weight)}
             if s.param.dtype == torch.bfloat16:
                 s.next_state["master_param"] = self._host_tensor(s.host, "next_master", s.weight)
-        self.speculation["params"] = sum(self._speculates(s) for s in self._order)
+        self._speculation["params"] = sum(self._speculates(s) for s in self._order)
 
     @staticmethod
     def _host_room() -> float:
@@ -418,10 +419,12 @@ class OffloadedAdamW(torch.optim.Optimizer):
         """Host memory the pager's slots already hold (reused for every step's paged activations)."""
         return self._pager._native.stats()["reserved_bytes"] if self._pager is not None else 0
 
-    def _commit(self, slot: _Slot) -> None:
+    def _commit(self, slot: _Slot, verdict=None) -> None:
         """Queues the commit of a speculative update (with the hyperparameters it ran with: the
-        decay the upload applies); the state's views follow the swap."""
-        self._pipeline.submit(slot.host, commit=True, device_weight=slot.weight.data_ptr(), **slot.speculated)
+        decay the upload applies); the state's views follow the swap. With a `verdict` still on its
+        way, the engine redoes the step into the next-state buffers first if it clips."""
+        self._pipeline.submit(slot.host, commit=True, update=verdict is not None, scale=verdict,
+                              device_weight=slot.weight.data_ptr(), **slot.speculated)
         for key, view in slot.next_state.items():
             slot.next_state[key], slot.state[key] = slot.state[key], view
 
@@ -495,6 +498,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         # Once no update is queued and every upload has finished, no module needs to wait for its
         # weights: the gates stand down until the next update is queued (_mark_updated). Within an
         # accumulation window, forwards after the first then make no native call per module.
+        self._settle_verdict(wait=False)  # whether the next backward speculates
         if self._gates_on and not self._gate_always and self._pipeline.settled(self._hosts):
             self._remove_gates()
         if self._streamer is not None:
@@ -674,9 +678,10 @@ class OffloadedAdamW(torch.optim.Optimizer):
         """Apply this accumulation window's gradients. Returns the closure's loss, if any.
 
         Without clipping, offloaded updates have already started during backward; with
-        max_grad_norm they wait for the global gradient norm, then are queued in forward order.
-        Resident parameters are updated here, on the current stream. Either way the next forward
-        waits for exactly the weights it reads.
+        max_grad_norm they wait for the global gradient norm (on the host engine's threads, where
+        the norm is on the device), then run in forward order. Resident parameters are updated
+        here, on the current stream. Either way the next forward waits for exactly the weights it
+        reads.
         """
         if grad_scaler is not None:
             raise UnsupportedSetupError(GRAD_SCALER_MESSAGE)
@@ -720,26 +725,38 @@ class OffloadedAdamW(torch.optim.Optimizer):
                 norms = self._resident.norms([g for _, g in resident])
                 self._device_norms = ([s for s, _ in resident], norms)
                 self._norm_pending = True
-            scale = 1.0
+            scale, verdict = 1.0, None
             if self.max_grad_norm is not None:
                 if norms is not None and all(s.resident for s in self._norm_slots):
                     # every norm is on the device: so is the coefficient, and nothing waits for it
                     device_scale = self._resident.clip_scale(norms, self.max_grad_norm, _CLIP_EPS)
-                if device_scale is None:
+                elif self._verdict_on_device():
+                    # so is the coefficient, which the host engine's jobs wait for instead of us
+                    coefficient, verdict = self._land_verdict(resident, norms)
+                    if isinstance(coefficient, torch.Tensor):
+                        device_scale = coefficient
+                    else:
+                        scale = coefficient  # (CPU mode: already known)
+                if device_scale is None and verdict is None:
                     scale = self._clip_coefficient()
-            unclipped = scale == 1.0 and math.isfinite(self._last_grad_norm or 0.0)
-            self._resolve_speculation(pending, unclipped)
+            if verdict is None:
+                unclipped = scale == 1.0 and math.isfinite(self._last_grad_norm or 0.0)
+                self._resolve_speculation(pending, unclipped)
+            else:
+                self._expect_verdict(pending, verdict)
             for s in pending:
                 if s.resident:
                     continue
                 if s.peer:
                     self._mark_updated(s)
                     continue
-                # a commit needs the speculation's premises intact: no clip, the same lr and update mode
-                if unclipped and s.speculated == self._hyper(s, grad_scale=1.0) and self._speculates(s):
-                    self._commit(s)
+                # a commit needs the speculation's premises intact: the same lr and update mode, and
+                # no clip (known here, or judged by the engine when the verdict lands)
+                speculated = s.speculated == self._hyper(s, grad_scale=1.0) and self._speculates(s)
+                if speculated and (verdict is not None or unclipped):
+                    self._commit(s, verdict)
                 else:
-                    self._pipeline.submit(s.host, from_accumulator=self._sums_on_host(s),
+                    self._pipeline.submit(s.host, from_accumulator=self._sums_on_host(s), scale=verdict,
                                           **self._update_args(s, grad_scale=scale))
                 self._mark_updated(s)
             self._update_resident(resident, scale, device_scale)
@@ -781,13 +798,63 @@ class OffloadedAdamW(torch.optim.Optimizer):
         without speculation, rather than doing each update twice."""
         if self.max_grad_norm is None or not any(s.offloaded for s in pending):
             return
-        if any(s.speculated for s in pending):
-            self.speculation["hits" if unclipped else "misses"] += 1
-            if not unclipped:
-                self._pipeline.abandon_speculation()
-        elif any(self._speculates(s) for s in pending):
-            self.speculation["waited"] += 1
+        speculated = any(s.speculated for s in pending)
+        if speculated and not unclipped:
+            self._pipeline.abandon_speculation()
+        self._count_window(speculated, any(self._speculates(s) for s in pending), unclipped)
+
+    def _count_window(self, speculated: bool, speculates: bool, unclipped: bool) -> None:
+        if speculated:
+            self._speculation["hits" if unclipped else "misses"] += 1
+        elif speculates:
+            self._speculation["waited"] += 1
         self._last_unclipped = unclipped
+
+    def _verdict_on_device(self) -> bool:
+        """Whether this window's clip coefficient can be computed where all its norms are, the
+        device (resident gradients, and offloaded ones measured before they left), and handed to
+        the host engine there, so that no thread waits for it: one process, no host sums."""
+        return (self._dp is None and self._shards is None and self._grad_norms is not None
+                and all(s.resident or s in self._norm_on_device for s in self._norm_slots))
+
+    def _land_verdict(self, resident: list, norms) -> tuple:
+        """Queues the clip coefficient after the window's norms, and its download for the host
+        engine; returns the coefficient for the resident update, and the verdict."""
+        coefficient, on_device = self._grad_norms.verdict(
+            [s.index for s, _ in resident], norms, sorted(s.index for s in self._norm_on_device),
+            self.max_grad_norm, _CLIP_EPS)
+        verdict = self._pipeline.land_scale(on_device.data_ptr(), self._current_stream())
+        if on_device.is_cuda:  # the download stream reads it: keep its memory from reuse until then
+            on_device.record_stream(self._streams[0])
+        return coefficient, verdict
+
+    def _expect_verdict(self, pending: list, verdict) -> None:
+        """The window's speculation is counted once its verdict lands (the pipeline drops what is
+        left of a speculation that the verdict redoes)."""
+        self._settle_verdict(wait=True)  # the last window's, if it has not been counted yet
+        if not any(s.offloaded for s in pending):
+            return
+        self._verdict = (verdict, any(s.speculated for s in pending), any(self._speculates(s) for s in pending))
+        self._settle_verdict(wait=False)
+
+    def _settle_verdict(self, wait: bool) -> None:
+        if self._verdict is None:
+            return
+        verdict, speculated, speculates = self._verdict
+        if not verdict.landed:
+            if not wait:
+                return
+            self._pipeline.wait_scale(verdict)
+        self._verdict = None
+        self._count_window(speculated, speculates, verdict.commits)
+
+    @property
+    def speculation(self) -> dict:
+        """With clipping: offloaded parameters whose updates may start before the global norm is
+        known, host bytes their next-state buffers take, and windows committed (hits), redone
+        (misses) or not speculated because the last norm clipped (waited)."""
+        self._settle_verdict(wait=True)
+        return self._speculation
 
     def _update_resident(self, items: list, scale: float, device_scale: torch.Tensor | None) -> None:
         """One launch (or host call) per set of parameters that share their hyperparameters."""
@@ -1247,10 +1314,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
             # VRAM besides the weights: the buffer fp32 update terms cross through (64 MiB at most)
             "vram_staging_bytes": self._staging.nbytes if self._staging is not None else 0,
             "placement": self._placement_report(),
-            # clipping without waiting: parameters whose updates start before the global norm is
-            # known, host bytes their next-state buffers take, and windows committed (hits),
-            # redone (misses) or not speculated because the last norm clipped (waited)
-            "speculation": dict(self.speculation),
+            "speculation": dict(self.speculation),  # clipping without waiting (see the property)
             "activations": self.activation_pager.report() if self.activation_pager else "off",
             # under DDP or FSDP2: this rank, and the parameters (or shards) whose state and updates are its own
             "distributed": self._distributed_report(),

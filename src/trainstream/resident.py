@@ -8,6 +8,8 @@ would have had offloaded, which is what lets the planner move it.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from trainstream._native import _C
@@ -38,6 +40,7 @@ class GradientNorms:
     def __init__(self, device: torch.device, count: int, resident: "ResidentAdamW") -> None:
         self._device = device
         self._resident = resident
+        self._indices: dict[tuple, torch.Tensor] = {}  # slot lists as device index tensors (placements repeat)
         if device.type == "cuda":
             self._out = torch.zeros(count, dtype=torch.float64, device=device)
             self._host = torch.empty(count, dtype=torch.float64, pin_memory=True)
@@ -54,6 +57,45 @@ class GradientNorms:
         _C.device_squared_norms(self._device.index, torch.cuda.current_stream(self._device).cuda_stream,
                                 [grad.data_ptr()], [DTYPE_NAMES[grad.dtype]], [grad.numel()], scratch.data_ptr(),
                                 self._out.data_ptr() + index * self._out.element_size())
+
+    def verdict(self, resident: list[int], resident_norms: PendingNorms | None, offloaded: list[int],
+                max_norm: float, eps: float) -> tuple[torch.Tensor | float, torch.Tensor]:
+        """The clip coefficient of every norm of the window, the resident gradients' (of slots
+        `resident`, as ResidentAdamW.norms gave them) and the offloaded ones taken here (slots
+        `offloaded`), added in slot order as the host adds them (an absent slot adds an exact 0).
+        Returns the coefficient for the resident update (a device float on CUDA, queued; a number in
+        CPU mode) and the verdict for OffloadPipeline.land_scale: two doubles, the coefficient and
+        the norm."""
+        if self._device.type != "cuda":
+            squares = [0.0] * len(self._values)
+            for i in offloaded:
+                squares[i] = self._values[i]
+            for i, square in zip(resident, resident_norms.values() if resident else ()):
+                squares[i] = square
+            total = 0.0
+            for square in squares:
+                total += square
+            norm = math.sqrt(total)
+            coefficient = torch.tensor(min(1.0, max_norm / (norm + eps)), dtype=torch.float32).item()
+            return coefficient, torch.tensor([coefficient, norm], dtype=torch.float64)
+        squares = torch.zeros_like(self._out)
+        if offloaded:
+            at = self._index(offloaded)
+            squares.index_copy_(0, at, self._out.index_select(0, at))
+        if resident:
+            squares.index_copy_(0, self._index(resident), resident_norms.device)
+        scale = torch.empty((), dtype=torch.float32, device=self._device)
+        verdict = torch.empty(2, dtype=torch.float64, device=self._device)
+        _C.device_clip_scale(self._device.index, torch.cuda.current_stream(self._device).cuda_stream,
+                             squares.data_ptr(), squares.numel(), float(max_norm), float(eps), scale.data_ptr(),
+                             verdict.data_ptr())
+        return scale, verdict
+
+    def _index(self, slots: list[int]) -> torch.Tensor:
+        key = tuple(slots)
+        if key not in self._indices:
+            self._indices[key] = torch.tensor(key, dtype=torch.long).to(self._device)
+        return self._indices[key]
 
     def collect(self) -> PendingNorms:
         """Every slot's last norm, indexed by slot, once the work queued so far has run."""

@@ -75,6 +75,18 @@ class ManualTransfer : public Transfer {
     for (auto& f : now) f();
   }
 
+  // Lands the download queued `index`-th among those still pending (the last with -1).
+  void land_one(int index) {
+    std::function<void()> f;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      auto it = index < 0 ? pending.end() - 1 : pending.begin() + index;
+      f = std::move(*it);
+      pending.erase(it);
+    }
+    f();
+  }
+
   std::mutex mu;
   std::vector<std::function<void()>> pending;
   std::vector<void*> uploads;
@@ -867,4 +879,94 @@ TEST_CASE("abandoned speculative updates leave the state untouched, and a redo g
   CHECK(std::memcmp(p0->exp_avg, p1->exp_avg, 4 * n) == 0);
   CHECK(std::memcmp(p0->exp_avg_sq, p1->exp_avg_sq, 4 * n) == 0);
   CHECK(speculating.pipeline->stats().updated_elements == n);  // the abandoned one updated nothing
+}
+
+TEST_CASE("updates that carry the clip verdict wait for it to land; a commit redoes the step it clips") {
+  const std::size_t n = 9000;
+  const double verdicts[][2] = {{0.25, 4.0}, {1.0, 0.5}, {1.0, std::nan("")}};  // (coefficient, norm)
+  for (DType dtype : {DType::float32, DType::bfloat16}) {
+    for (const auto& verdict : verdicts) {
+      // Rig 0 knows the coefficient up front. In rig 1 the verdict lands from the "device": p has
+      // speculated with 1 and commits, q waits for it.
+      Rig waiting(std::size_t(1) << 30, true, 3), deferred(std::size_t(1) << 30, true, 3);
+      std::vector<std::vector<unsigned char>> weights;
+      std::vector<std::shared_ptr<HostParam>> params;  // waiting p, q; deferred p, q
+      for (Rig* rig : {&waiting, &deferred}) {
+        for (int k = 0; k < 2; ++k) {
+          weights.push_back(device_buffer(dtype, n, grad_value, 90 + k));
+          params.push_back(rig->pipeline->add_param(n, dtype, false));
+          rig->pipeline->load_weights(*params.back(), addr(weights.back().data()), 0);
+        }
+      }
+      deferred.pipeline->enable_speculation(*params[2]);
+      const auto grad = device_buffer(dtype, n, grad_value, 1);
+      for (int k = 0; k < 2; ++k) {
+        GradJob job = update_job(addr(weights[k].data()));
+        job.hyper.weight_decay = 0.1;
+        job.hyper.grad_scale = verdict[0];
+        waiting.pipeline->land_gradient(params[k], addr(grad.data()), 0, job);
+      }
+      waiting.transfer->land_all();
+      waiting.pipeline->synchronize();
+
+      deferred.pipeline->land_gradient(params[3], addr(grad.data()), 0, GradJob{});
+      GradJob spec = update_job(addr(weights[2].data()));
+      spec.hyper.weight_decay = 0.1;
+      spec.speculate = true;
+      deferred.pipeline->land_gradient(params[2], addr(grad.data()), 0, spec);
+      const double on_device[2] = {verdict[0], verdict[1]};
+      const auto scale = deferred.pipeline->land_scale(addr(on_device), 0);
+      GradJob resolve = spec;
+      resolve.speculate = false;
+      resolve.commit = true;
+      resolve.scale = scale;
+      deferred.pipeline->submit(params[2], resolve);
+      GradJob later = update_job(addr(weights[3].data()));
+      later.hyper.weight_decay = 0.1;
+      later.scale = scale;
+      deferred.pipeline->submit(params[3], later);
+
+      deferred.transfer->land_one(0);  // q's gradient: its update still waits for the verdict
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      CHECK(!scale->landed());
+      CHECK(deferred.transfer->uploads.empty());
+      deferred.transfer->land_one(-1);  // the verdict, before p's gradient: a clipped speculation is dropped unrun
+      CHECK(scale->landed() && scale->value() == static_cast<float>(verdict[0]));
+      deferred.transfer->land_all();
+      deferred.pipeline->synchronize();
+      for (int k = 0; k < 2; ++k) {
+        CHECK(weights[k] == weights[k + 2]);
+        CHECK(std::memcmp(params[k]->exp_avg, params[k + 2]->exp_avg, 4 * n) == 0);
+        CHECK(std::memcmp(params[k]->exp_avg_sq, params[k + 2]->exp_avg_sq, 4 * n) == 0);
+        if (dtype == DType::bfloat16) CHECK(std::memcmp(params[k]->master, params[k + 2]->master, 4 * n) == 0);
+      }
+      // p's step ran once either way: speculated and committed, or dropped and redone
+      CHECK(deferred.pipeline->stats().updated_elements == 2 * n);
+    }
+  }
+}
+
+TEST_CASE("a clip verdict is refused where it could not be honoured") {
+  Rig rig;
+  auto p = rig.pipeline->add_param(64, DType::float32, false);
+  rig.pipeline->enable_speculation(*p);
+  const double on_device[2] = {1.0, 0.5};
+  const auto scale = rig.pipeline->land_scale(addr(on_device), 0);
+  rig.transfer->land_all();
+  GradJob bad[3];
+  bad[0].scale = scale;  // on no update
+  bad[1] = update_job(0);
+  bad[1].speculate = true;
+  bad[1].scale = scale;  // a speculation has a coefficient of 1
+  bad[2].commit = true;
+  bad[2].scale = scale;  // a commit that waits for it must also carry the update it may redo
+  for (const GradJob& job : bad) {
+    bool threw = false;
+    try {
+      rig.pipeline->submit(p, job);
+    } catch (const std::invalid_argument&) {
+      threw = true;
+    }
+    CHECK(threw);
+  }
 }

@@ -6,6 +6,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -76,6 +77,24 @@ class HostParam {
   std::uint64_t landed_ = 0;
 };
 
+// One window's clip coefficient, computed where the gradients' norms are (the device) and landed
+// in host memory behind the work that produced it (OffloadPipeline::land_scale). Jobs that carry
+// it wait for it on the engine's threads, so the caller never waits for the norm.
+class ClipScale {
+ public:
+  bool landed() const { return landed_.load(std::memory_order_acquire); }
+  float value() const { return value_; }  // once landed
+  double norm() const { return norm_; }   // the global norm it came from, once landed
+  // Whether updates speculated with a coefficient of 1 stand: it is 1 and the norm is finite.
+  bool commits() const { return value_ == 1.0f && std::isfinite(norm_); }
+
+ private:
+  friend class OffloadPipeline;
+  float value_ = 1.0f;
+  double norm_ = 0.0;
+  std::atomic<bool> landed_{false};
+};
+
 // What the engine does for one parameter, in this order.
 struct GradJob {
   bool accumulate = false;      // fold the landed gradient into the accumulator...
@@ -91,6 +110,11 @@ struct GradJob {
   // uploads; otherwise a plain update redoes the step from the untouched state.
   bool speculate = false;
   bool commit = false;
+  // The clip coefficient as landed from the device: the job waits for it, and it replaces
+  // hyper.grad_scale. A commit that carries it is also an update (`update` set): when the
+  // coefficient is not 1 (ClipScale::commits), the step is redone from the untouched state into
+  // the next-state buffers first, so the commit makes the redone step the state either way.
+  std::shared_ptr<const ClipScale> scale;
 };
 
 class OffloadPipeline {
@@ -146,6 +170,14 @@ class OffloadPipeline {
   // Its updates no longer speculate (check_job refuses). Returns the host bytes it took (0 if it
   // had them).
   std::size_t keep_weights_on_host(HostParam& p);
+
+  // Queues the download of one window's clip verdict, two doubles in device memory (the
+  // coefficient, rounded to float, and the global norm) written by work queued on
+  // `producer_stream`. Speculative updates queued so far belong to that window: when the verdict
+  // lands and does not commit, what is left of them is dropped (as abandon_speculation does).
+  std::shared_ptr<ClipScale> land_scale(std::uintptr_t device_verdict, std::uintptr_t producer_stream);
+  // Waits (on the host) until the verdict has landed.
+  void wait(const ClipScale& scale);
 
   // Waits until the parameters' queued jobs have finished (on the host; nothing is ordered on the
   // device). Rethrows the first error a job raised.
@@ -205,6 +237,7 @@ class OffloadPipeline {
     std::uint64_t download;  // runs once this many of the parameter's downloads have landed
     bool landing;            // its own download wrote the landing buffer (land_gradient, landing route)
     bool packed;             // ...through download_bf16_exact
+    std::shared_ptr<const ClipScale> verdict;  // a speculative update: the verdict that decides its fate
     // Set by start():
     std::atomic<bool> skip{false};  // a failure before or during the job: drain it unrun
     const void* grad = nullptr;  // what norm and update read
@@ -247,6 +280,8 @@ class OffloadPipeline {
   std::chrono::steady_clock::time_point busy_since_;
   Stats stats_;
   std::size_t downloading_bytes_ = 0;
+  std::unique_ptr<TransferSlot> verdict_slot_;  // land_scale's downloads, one after another
+  double* verdict_host_ = nullptr;               // where they land (from the arena, on first use)
   bool stopping_ = false;
   std::exception_ptr error_;
   std::vector<std::thread> workers_;

@@ -39,7 +39,9 @@ void launch_squared_norms(int device, const void* const* grads, const DType* dty
 
 // Queues *scale = min(1, max_norm / (sqrt(squares[0] + ... + squares[count-1]) + eps)) in float,
 // the squares added in order in double: the clip coefficient, with the bits the host computes.
+// Where `verdict` is given (two doubles), also verdict[0] = *scale and verdict[1] = the norm: what
+// OffloadPipeline::land_scale takes to the host. Either output may be null.
 void launch_clip_scale(int device, const double* squares, std::size_t count, double max_norm, double eps,
-                       float* scale, std::uintptr_t stream);
+                       float* scale, double* verdict, std::uintptr_t stream);
 
 }  // namespace trainstream
