@@ -116,8 +116,12 @@ def deepspeed_engine(model, config: dict):
     return engine, opt
 
 
+CPUS = sorted(os.sched_getaffinity(0))  # this process's, before any '+pin' mode narrows this thread's
+
+
 def run_mode(mode: str, args) -> dict:
     torch.manual_seed(0)
+    os.sched_setaffinity(0, CPUS)  # (an earlier '+pin' mode kept this thread to one)
     started = time.perf_counter()
     base = mode.split("+")[0]
     if base == "deepspeed3":  # built straight into host memory, partitioned as it is made
@@ -145,7 +149,8 @@ def run_mode(mode: str, args) -> dict:
     # '+pageonly' meets a VRAM budget by paging alone (no recomputed blocks), '+t12' runs the host
     # engine on 12 threads instead of every CPU, '+master' keeps fp32 masters on the host and
     # uploads them instead of update terms, '+light' offers the planner light recompute
-    # (Tuning(light_recompute=True)).
+    # (Tuning(light_recompute=True)), '+pin' starts the host engine's threads on every CPU but the
+    # first and keeps this thread, which queues the GPU's work, alone on that one.
     # '+waitclip' makes clipped host updates wait for the global norm instead of speculating.
     # '+ckpt' or '+save_on_cpu' may come with one of TrainStream's variants: 'trainstream+ckpt+auto'.
     # On any mode: '+compile' compiles the model (torch.compile, default mode) before the optimizer
@@ -158,7 +163,7 @@ def run_mode(mode: str, args) -> dict:
     clip = args.clip if not clips else None if clips[0] == "noclip" else float(clips[0][4:])
     compiling = [e for e in extras if e in ("compile", "compileafter")]
     knobs = {e for e in extras if e in ("fp32grads", "everygate", "pageonly", "master", "offload", "waitclip", "light",
-                                        f"t{threads}", *clips, *compiling, *(f"stream{n}" for n in streams))}
+                                        "pin", f"t{threads}", *clips, *compiling, *(f"stream{n}" for n in streams))}
     keeping = [e for e in extras if e in ("ckpt", "save_on_cpu")]
     variants = [e for e in extras if e not in knobs and e not in keeping]
     if len(variants) > 1 or len(keeping) > 1:
@@ -189,8 +194,13 @@ def run_mode(mode: str, args) -> dict:
             options = dict(vram_budget=args.vram_budget)
         if args.host_model:
             options["device"] = "cuda"
+        pin = "pin" in knobs and len(CPUS) > 1
+        if pin:  # threads inherit their creator's CPUs: the engine's get all but the first
+            os.sched_setaffinity(0, CPUS[1:])
         model, opt = trainstream.wrap(model, opt, accumulation_steps=args.acc, max_grad_norm=clip,
                                       tuning=trainstream.Tuning(**tuning), **options)
+        if pin:
+            os.sched_setaffinity(0, CPUS[:1])
         setup_s = time.perf_counter() - t0
         sync = opt.synchronize
         if variant == "hostacc":  # the comparison baseline: micro-batches added by host threads
