@@ -472,6 +472,7 @@ def recorded_table(name: str):
 TABLES = {
     "budget_sweep": budget_sweep("budget_sweep"),
     "budget_sweep_nohooks": budget_sweep("budget_sweep_nohooks"),
+    "budget_sweep_blocktime": budget_sweep("budget_sweep_blocktime"),
     "stream_095": runs("stream_095"),
     "stream_price": stream_price("stream_price"),
     "stream_large": stream_large,

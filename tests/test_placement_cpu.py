@@ -103,6 +103,43 @@ def test_offloading_costs_more_with_clipping_and_more_the_earlier_the_parameters
     assert clip > no_clip  # every host update waits for the global norm
 
 
+def test_host_updates_that_run_during_the_next_forward_slow_it():
+    """With clipping, the offloaded updates start when backward ends and run into the next
+    forward, whose thread shares the CPU with them: charged for the part inside the forward."""
+    profile = made_up_profile(clipping=True, host_ns=0.25)
+    params = len(profile.params)
+    head = planner.step_seconds(profile, planner.Plan(resident=params - 1))[1]
+    # 65M elements at 0.25 ns: 16 ms of updates from the end of backward, the forward starting
+    # once the device update (a few ms) is done
+    device_update = head["device_update_s"]
+    assert head["host_contention_s"] == pytest.approx(planner.FORWARD_CONTENTION * (0.01625 - device_update))
+    # without clipping the head's update runs as its gradient lands, early in backward: nothing left for the forward
+    assert planner.step_seconds(made_up_profile(), planner.Plan(resident=params - 1))[1]["host_contention_s"] == 0
+    # no more than the forward, however long the updates
+    everything = planner.step_seconds(profile, planner.Plan(resident=0))[1]
+    assert everything["host_contention_s"] == pytest.approx(planner.FORWARD_CONTENTION * profile.forward_s)
+
+
+def test_a_block_recomputed_costs_its_recompute_time_where_measured():
+    profile = made_up_profile(clipping=True)
+    plan = planner.Plan(resident=len(profile.params), recomputed=(0, 3))
+    assert planner.recompute_seconds(profile, plan) == pytest.approx(2 * profile.blocks[0].forward_s)
+    profile.blocks[3] = replace(profile.blocks[3], recompute_s=0.0005)
+    assert planner.recompute_seconds(profile, plan) == pytest.approx(profile.blocks[0].forward_s + 0.0005)
+
+
+def test_block_spans_run_from_a_blocks_first_parameter_to_the_next_ones():
+    from trainstream.profiler import block_spans
+
+    # an embedding at 0, block 0 from 1.0 (its second parameter at 1.5), block 1 owns nothing,
+    # block 2 from 4.0, a head after the blocks at 7.0 and a parameter of the model itself (needed
+    # at its start, 0), the forward ending at 9.0
+    need = [0.0, 1.0, 1.5, 4.0, 7.0, 0.0]
+    where = [-1, 0, 0, 2, 3, 3]
+    assert block_spans(need, where, 3, 9.0) == [3.0, None, 3.0]
+    assert block_spans(need[:4], where[:4], 3, 9.0) == [3.0, None, 5.0]  # nothing after: the forward's end
+
+
 def test_with_accumulation_sums_stay_in_vram_until_the_budget_needs_them_on_the_host():
     profile = made_up_profile(acc=8)
     n = len(profile.params)
@@ -433,6 +470,29 @@ def test_the_profile_measures_the_hooks_host_time_less_their_paging():
     assert 0 < figures.keeping_seconds < figures.hook_seconds
     lean = opt._profile.hook_s - figures.keeping_seconds
     assert opt._profile.lean_hook_s == pytest.approx(max(lean, recasts), abs=1e-12)
+
+
+def test_a_blocks_recompute_is_rated_by_its_share_of_the_replayed_forward(monkeypatch):
+    from trainstream import profiler
+
+    model, opt = make()
+    weights = sum(p.numel() * 4 for p in model.parameters())
+    model, opt = trainstream.wrap(model, opt, max_grad_norm=1.0, vram_budget=10 * weights)
+    opt.activation_pager.min_bytes = 0
+    train(model, opt, batches(3, 1), 1.0)
+    profile = opt._profile
+    spans = profiler.block_spans([p.need_s for p in profile.params], [p.block for p in profile.params],
+                                 len(profile.blocks), profile.forward_s)
+    assert spans[0] is None and all(span > 0 for span in spans[1:])  # (block 0 is frozen)
+    assert [b.recompute_s for b in profile.blocks[1:]] == [profiler.RECOMPUTE_PER_FORWARD * span for span in spans[1:]]
+    assert profile.blocks[0].recompute_s is None
+    # where the forward could not be replayed, its profiled time stands
+    monkeypatch.setattr(profiler.StepProfiler, "_replay_seconds", lambda self: None)
+    model, opt = make()
+    model, opt = trainstream.wrap(model, opt, max_grad_norm=1.0, vram_budget=10 * weights)
+    opt.activation_pager.min_bytes = 0
+    train(model, opt, batches(3, 1), 1.0)
+    assert opt._profile.blocks and all(b.recompute_s is None for b in opt._profile.blocks)
 
 
 def test_hooks_that_page_nothing_cost_their_lean_time():

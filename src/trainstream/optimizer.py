@@ -27,7 +27,7 @@ from trainstream.distributed import local_shard
 from trainstream.errors import (GRAD_SCALER_MESSAGE, TrainingLoopError, UnsupportedSetupError, VramBudgetError,
                                 check_autocast, check_compile_mode, check_single_process, compiled_wrappers)
 from trainstream.host_adamw import DTYPE_NAMES
-from trainstream.profiler import StepProfiler, measure_bandwidths
+from trainstream.profiler import RECOMPUTE_PER_FORWARD, StepProfiler, block_spans, measure_bandwidths
 from trainstream._native import _C
 from trainstream.resident import GradientNorms, ResidentAdamW
 from trainstream.streaming import WeightStreamer, shared_outside
@@ -1042,6 +1042,12 @@ class OffloadedAdamW(torch.optim.Optimizer):
                 block=where,
                 need_s=times["need_s"][s.index], arrival_s=times["arrival_s"][s.index],
                 segment_peak=times["segment_peak"][s.index]))
+        if blocks and times["replayed"]:
+            # A recomputed block costs its share of the replayed forward (compute alone), not its
+            # time in the profiled step, which the paging there stretched.
+            spans = block_spans([p.need_s for p in params], [p.block for p in params], n, times["forward_s"])
+            blocks = [b if span is None else replace(b, recompute_s=RECOMPUTE_PER_FORWARD * span)
+                      for b, span in zip(blocks, spans)]
         stats, start = self._pipeline.stats(), self._stats_at_start
         updated = stats["updated_elements"] - start["updated_elements"]
         host_rate = (stats["busy_seconds"] - start["busy_seconds"]) / updated if updated else 0.0

@@ -33,6 +33,10 @@ RESERVE_FRACTION = 0.03  # of the budget, for the model's error: the plan's peak
 MIN_RESERVE = 256 << 20
 STEP_FRACTION = 0.01  # offload moves take at least this share of the parameters' bytes at a time
 PAGING_HOST_SLOWDOWN = 1.2  # the host engine while paging copies share host memory (measured: 18%)
+# What each second of host updates running during the next forward adds to it: the thread that
+# queues the forward shares the CPU with the engine, and a forward like a Llama's is host-bound
+# (measured on a 16-core Xeon, 0.95B Llama: 36 ms of updates in the forward made it 23 ms longer).
+FORWARD_CONTENTION = 0.6
 
 
 @dataclass(frozen=True)
@@ -60,6 +64,7 @@ class BlockCost:
     streamable: bool = True  # no weight of it is used outside it (tied weights stay)
     light_bytes: int | None = None  # what light recompute keeps besides its inputs (None: not offered)
     light_s: float = 0.0  # what light recompute adds to backward: the cheap ops run again
+    recompute_s: float | None = None  # what recomputing it whole adds to backward (None: forward_s)
 
 
 @dataclass
@@ -301,7 +306,9 @@ def _exposed_streaming_s(profile: Profile, plan: Plan) -> float:
 
 def recompute_seconds(profile: Profile, plan: Plan) -> float:
     """What recomputing adds to backward: the recomputed blocks' forwards, the light ones' cheap ops."""
-    return sum(profile.blocks[j].forward_s for j in plan.recomputed) + sum(profile.blocks[j].light_s for j in plan.light)
+    blocks = profile.blocks
+    whole = [blocks[j].forward_s if blocks[j].recompute_s is None else blocks[j].recompute_s for j in plan.recomputed]
+    return sum(whole) + sum(blocks[j].light_s for j in plan.light)
 
 
 def step_seconds(profile: Profile, plan: Plan) -> tuple[float, dict]:
@@ -343,6 +350,7 @@ def step_seconds(profile: Profile, plan: Plan) -> tuple[float, dict]:
     rate = profile.host_s_per_param * (PAGING_HOST_SLOWDOWN if paged_bytes else 1.0)
     order = sorted(offloaded, key=lambda i: available[i])
     finished: list[tuple[float, int]] = []
+    busy: list[tuple[float, float]] = []  # when the engine ran each update
     ready: list[int] = []
     clock, k = 0.0, 0
     while k < len(order) or ready:
@@ -352,7 +360,8 @@ def step_seconds(profile: Profile, plan: Plan) -> tuple[float, dict]:
             heapq.heappush(ready, order[k])  # forward order: the lowest index first
             k += 1
         i = heapq.heappop(ready)
-        clock += params[i].numel * rate
+        busy.append((clock, clock + params[i].numel * rate))
+        clock = busy[-1][1]
         finished.append((clock, i))
     uploaded: dict[int, float] = {}
     clock = 0.0
@@ -365,7 +374,9 @@ def step_seconds(profile: Profile, plan: Plan) -> tuple[float, dict]:
     forward_start = update_start + device_update
     wait = max((uploaded[i] - forward_start - params[i].need_s for i in offloaded), default=0.0)
     wait = max(0.0, wait)
-    total = acc * micro + summing + (update_start - backward) + device_update + wait
+    forward_end = forward_start + profile.forward_s
+    contention = FORWARD_CONTENTION * sum(max(0.0, min(b, forward_end) - max(a, forward_start)) for a, b in busy)
+    total = acc * micro + summing + (update_start - backward) + device_update + wait + contention
     terms = {
         "forward_backward_s": acc * (profile.forward_s + profile.backward_s),
         "recompute_s": acc * recompute,
@@ -376,6 +387,7 @@ def step_seconds(profile: Profile, plan: Plan) -> tuple[float, dict]:
         "norm_wait_s": update_start - backward,
         "device_update_s": device_update,
         "weights_wait_s": wait,
+        "host_contention_s": contention,
     }
     return total, terms
 
