@@ -84,12 +84,6 @@ void bind_pipeline(py::module_& m) {
   py::class_<ClipScale, std::shared_ptr<ClipScale>>(m, "ClipScale",
                                                      "A window's clip coefficient on its way from the device.")
       .def_property_readonly("landed", &ClipScale::landed)
-      .def_property_readonly("value", [](const ClipScale& c) {
-        return c.landed() ? std::optional<float>(c.value()) : std::nullopt;
-      })
-      .def_property_readonly("norm", [](const ClipScale& c) {
-        return c.landed() ? std::optional<double>(c.norm()) : std::nullopt;
-      })
       .def_property_readonly("commits", [](const ClipScale& c) {
         return c.landed() ? std::optional<bool>(c.commits()) : std::nullopt;
       }, "Whether updates speculated with a coefficient of 1 stand (None until landed).");
