@@ -2,7 +2,7 @@
 # Build, test and benchmark on a CUDA machine in one go; logs and JSON land in $1 (default ./gpu-results).
 #   bash benchmarks/gpu_suite.sh [OUTDIR] [STAGES]
 # STAGES: comma list of build,tests,verify,adamw,step,placement,timeline,paging,large,sanitize,
-#         clipping,spec_timeline,compile,hf,streaming,stream_limit,stream_price,light,distributed
+#         clipping,spec_timeline,compile,hf,streaming,stream_limit,stream_price,light,contention,distributed
 #         (default: build,tests,verify,adamw,step)
 set -uo pipefail
 out="${1:-gpu-results}"
@@ -74,6 +74,15 @@ if has light; then  # light recompute offered to the planner, against the plan w
   python3 "$repo/benchmarks/budget_sweep.py" --accs 1 --caps none,20,16,12 --ours trainstream,trainstream+light \
     --peers gpu-adamw --no-deepspeed --json "$out/sweep_light.json" 2>&1 | grep -A14 "^NVIDIA"
   python3 "$repo/benchmarks/plan_accuracy.py" --vram-budget 20GB --light --json "$out/plan_accuracy_light.json" 2>&1 | tail -16
+fi
+if has contention; then  # under a 20 GB budget with clipping: the planned step, and whether the host update
+  # slows the forward by sharing cores (the engine kept off the Python thread's core) or memory (fewer threads)
+  for clip in 1.0 1e9; do
+    python3 "$repo/benchmarks/step_timeline.py" --mode trainstream+planned --vram-budget 20GB --clip "$clip" \
+      --warmup 5 --steps 4 --json "$out/timeline_planned_20gb_clip$clip.json" 2>&1 | tail -12
+  done
+  python3 "$repo/benchmarks/budget_sweep.py" --accs 1 --caps 20,16 --ours trainstream,trainstream+pin,trainstream+t8 \
+    --peers "" --no-deepspeed --json "$out/sweep_contention.json" 2>&1 | grep -A8 "^NVIDIA"
 fi
 if has timeline; then  # one accumulation window, forward by backward, against GPU AdamW
   for mode in gpu-adamw trainstream+vramacc; do
