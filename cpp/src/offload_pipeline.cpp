@@ -241,13 +241,7 @@ std::shared_ptr<ClipScale> OffloadPipeline::land_scale(std::uintptr_t device_ver
       scale->value_ = static_cast<float>(verdict_host_[0]);
       scale->norm_ = verdict_host_[1];
       scale->landed_.store(true, std::memory_order_release);
-      if (!scale->commits()) {  // the speculated steps will be redone: stop them now
-        for (auto* tasks : {&queue_, &running_}) {
-          for (auto& t : *tasks) {
-            if (t->verdict == scale) t->skip = true;
-          }
-        }
-      }
+      if (!scale->commits()) drop_speculation_locked(scale.get());  // they will be redone: stop them now
     }
     landed_.notify_all();
     work_ready_.notify_all();
@@ -274,10 +268,14 @@ void OffloadPipeline::wait(const ClipScale& scale) {
 
 std::size_t OffloadPipeline::abandon_speculation() {
   std::lock_guard<std::mutex> lock(mutex_);
+  return drop_speculation_locked(nullptr);
+}
+
+std::size_t OffloadPipeline::drop_speculation_locked(const ClipScale* verdict) {
   std::size_t cut = 0;
   for (auto* tasks : {&queue_, &running_}) {
     for (auto& t : *tasks) {
-      if (t->job.speculate && !t->skip) {
+      if (t->job.speculate && !t->skip && (verdict == nullptr || t->verdict.get() == verdict)) {
         t->skip = true;
         ++cut;
       }

@@ -29,7 +29,7 @@ from trainstream.errors import (GRAD_SCALER_MESSAGE, TrainingLoopError, Unsuppor
 from trainstream.host_adamw import DTYPE_NAMES
 from trainstream.profiler import RECOMPUTE_PER_FORWARD, StepProfiler, block_spans, measure_bandwidths
 from trainstream._native import _C
-from trainstream.resident import GradientNorms, ResidentAdamW
+from trainstream.resident import GradientNorms, ResidentAdamW, clip_coefficient
 from trainstream.streaming import WeightStreamer, shared_outside
 
 log = logging.getLogger("trainstream")
@@ -916,7 +916,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
 
     def _clip_coefficient(self) -> float:
         total = self.last_grad_norm
-        return min(1.0, self.max_grad_norm / (total + _CLIP_EPS))
+        return clip_coefficient(total, self.max_grad_norm, _CLIP_EPS)
 
     @property
     def last_grad_norm(self) -> float | None:

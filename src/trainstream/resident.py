@@ -16,6 +16,12 @@ from trainstream._native import _C
 from trainstream.host_adamw import DTYPE_NAMES
 
 
+def clip_coefficient(norm: float, max_norm: float, eps: float) -> float:
+    """torch's clip coefficient, clamped to 1 (a NaN norm gives 1, as min() does): what the host
+    hands the engine, and what the GPU's clip_scale kernel computes in the same order."""
+    return min(1.0, max_norm / (norm + eps))
+
+
 class PendingNorms:
     """Squared gradient norms queued on the device; `values()` waits for them."""
 
@@ -76,7 +82,7 @@ class GradientNorms:
             for square in squares:
                 total += square
             norm = math.sqrt(total)
-            coefficient = torch.tensor(min(1.0, max_norm / (norm + eps)), dtype=torch.float32).item()
+            coefficient = torch.tensor(clip_coefficient(norm, max_norm, eps), dtype=torch.float32).item()
             return coefficient, torch.tensor([coefficient, norm], dtype=torch.float64)
         squares = torch.zeros_like(self._out)
         if offloaded:

@@ -252,6 +252,9 @@ class OffloadPipeline {
   static void check_job(const HostParam& p, const GradJob& job);
   void enqueue(const std::shared_ptr<HostParam>& p, const GradJob& job, bool landing = false, bool packed = false);
   void wait_idle(HostParam& p, std::unique_lock<std::mutex>& lock);
+  // Under the mutex: drops what is left of every speculative update not yet dropped, or of those
+  // `verdict` decides (null: all); returns how many.
+  std::size_t drop_speculation_locked(const ClipScale* verdict);
   std::unique_ptr<Task> pick_locked();
   void start(Task& task);
   Task* next_chunk_locked(std::size_t& chunk);
