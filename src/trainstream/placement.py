@@ -33,9 +33,10 @@ RESERVE_FRACTION = 0.03  # of the budget, for the model's error: the plan's peak
 MIN_RESERVE = 256 << 20
 STEP_FRACTION = 0.01  # offload moves take at least this share of the parameters' bytes at a time
 PAGING_HOST_SLOWDOWN = 1.2  # the host engine while paging copies share host memory (measured: 18%)
-# What each second of host updates running during the next forward adds to it: the thread that
-# queues the forward shares the CPU with the engine, and a forward like a Llama's is host-bound
-# (measured on a 16-core Xeon, 0.95B Llama: 36 ms of updates in the forward made it 23 ms longer).
+# What each second of host updates running after backward adds to the step: the thread that
+# queues the device update and then the next forward shares the CPU with the engine, and a forward
+# like a Llama's is host-bound (measured on a 16-core Xeon, 0.95B Llama: 36 ms of updates made the
+# forward 23 ms longer; 24 ms of them, 15 to 18 ms longer).
 FORWARD_CONTENTION = 0.6
 
 
@@ -375,7 +376,8 @@ def step_seconds(profile: Profile, plan: Plan) -> tuple[float, dict]:
     wait = max((uploaded[i] - forward_start - params[i].need_s for i in offloaded), default=0.0)
     wait = max(0.0, wait)
     forward_end = forward_start + profile.forward_s
-    contention = FORWARD_CONTENTION * sum(max(0.0, min(b, forward_end) - max(a, forward_start)) for a, b in busy)
+    # (from the end of backward: the thread queues the device update, then runs ahead into the forward)
+    contention = FORWARD_CONTENTION * sum(max(0.0, min(b, forward_end) - max(a, update_start)) for a, b in busy)
     total = acc * micro + summing + (update_start - backward) + device_update + wait + contention
     terms = {
         "forward_backward_s": acc * (profile.forward_s + profile.backward_s),
