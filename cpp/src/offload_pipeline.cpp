@@ -326,29 +326,55 @@ void OffloadPipeline::enqueue(const std::shared_ptr<HostParam>& p, const GradJob
 }
 
 // Chooses the next job to start: among jobs that are next in line for their parameter and whose
-// gradient has landed, plain accumulation first (in arrival order: the next backward needs those
-// landing buffers back in that order), then updates in forward order.
+// gradient (and clip verdict) has landed, plain accumulation first (in arrival order: the next
+// backward needs those landing buffers back in that order), then updates in forward order. A
+// commit that redoes nothing only swaps buffers and uploads. When a window's verdict lands, the
+// parameters that speculated early are all ready to commit at once while the engine still updates
+// the first layers: such a commit goes ahead of the updates while the uploads on their way up are
+// under the window, so the stream stays busy, and otherwise waits its turn in forward order, so
+// the weights the next forward needs first never queue behind more than the window of later ones.
 std::unique_ptr<OffloadPipeline::Task> OffloadPipeline::pick_locked() {
+  std::optional<bool> room;  // asked once, when a commit needs it
+  auto ahead = [&](const GradJob& job) {
+    const bool swap_only = job.commit && (!job.update || (job.scale && job.scale->commits()));
+    if (!swap_only) return !job.update;
+    if (job.device_weight == 0) return true;
+    if (!room) room = upload_room_locked();
+    return *room;
+  };
   auto best = queue_.end();
+  bool best_ahead = false;
   for (auto it = queue_.begin(); it != queue_.end(); ++it) {
     const Task& t = **it;
     const HostParam& p = *t.param;
     if (t.seq != p.done_ + 1 || p.landed_ < t.download || (t.job.scale && !t.job.scale->landed())) continue;
-    if (best == queue_.end()) {
+    const bool a = ahead(t.job);
+    // (in one class, the earlier keeps its place: arrival order, or forward order among updates)
+    if (best == queue_.end() || (a && !best_ahead) ||
+        (a == best_ahead && !a && p.priority < (*best)->param->priority)) {
       best = it;
-      continue;
+      best_ahead = a;
     }
-    const bool upd = t.job.update, best_upd = (*best)->job.update;
-    if (upd != best_upd) {
-      if (!upd) best = it;
-    } else if (upd && p.priority < (*best)->param->priority) {
-      best = it;
-    }  // else: equal class, keep the earlier (arrival order)
   }
   if (best == queue_.end()) return nullptr;
   std::unique_ptr<Task> out = std::move(*best);
   queue_.erase(best);
   return out;
+}
+
+bool OffloadPipeline::upload_room_locked() {
+  try {
+    // One stream carries them in order: the first not complete holds up the rest.
+    while (!uploads_.empty() && transfer_->upload_complete(*uploads_.front().param->slot_)) {
+      uploading_bytes_ -= uploads_.front().bytes;
+      uploads_.pop_front();
+    }
+  } catch (...) {  // a failed query: the next synchronize() says so; until then, count nothing
+    if (!error_) error_ = std::current_exception();
+    uploads_.clear();
+    uploading_bytes_ = 0;
+  }
+  return uploading_bytes_ < upload_window_;
 }
 
 // Under the mutex: what the job's chunks read and how they are cut.
@@ -483,7 +509,11 @@ void OffloadPipeline::finish(Task& task) {
 }
 
 void OffloadPipeline::worker_loop() {
-  bool bound = false;
+  try {
+    transfer_->bind_thread();  // before any other call: picking a job may query an upload's event
+  } catch (...) {
+    record_error();  // (every job is then drained unrun, and synchronize() rethrows this)
+  }
   std::unique_lock<std::mutex> lock(mutex_);
   for (;;) {
     Task* task = nullptr;
@@ -497,10 +527,6 @@ void OffloadPipeline::worker_loop() {
     lock.unlock();
     bool ok = true;
     try {
-      if (!bound) {
-        transfer_->bind_thread();
-        bound = true;
-      }
       run_chunk(*task, chunk);
     } catch (...) {
       record_error();
@@ -524,6 +550,13 @@ void OffloadPipeline::worker_loop() {
     }
     lock.lock();
     if (done->job.update && !done->skip) stats_.updated_elements += done->param->numel;
+    if (!done->skip && done->job.device_weight != 0 && !done->job.speculate) {  // finish() uploaded
+      const HostParam& p = *done->param;
+      const std::size_t bytes = done->buffers.term_only ? sizeof(float) * p.numel : p.weight_bytes();
+      uploads_.push_back({done->param, bytes});
+      uploading_bytes_ += bytes;
+      upload_room_locked();  // (drops those seen complete, so the list stays short)
+    }
     ++done->param->done_;
     --in_flight_;
     job_done_.notify_all();

@@ -970,3 +970,57 @@ TEST_CASE("a clip verdict is refused where it could not be honoured") {
     CHECK(threw);
   }
 }
+
+TEST_CASE("commits that redo nothing jump ahead of updates only while the uploads in flight are under the window") {
+  const std::size_t n = 1000;
+  for (bool room : {true, false}) {
+    Rig rig(std::size_t(1) << 30, true, /*threads=*/1);  // one engine thread: jobs start one at a time
+    if (!room) rig.pipeline->set_upload_window(1);  // any upload not seen complete fills it
+    rig.transfer->uploads_finished = room;
+    std::vector<std::vector<float>> weights(4, std::vector<float>(n, 1.0f));
+    std::vector<float> grad(n, 0.5f);
+    std::vector<std::shared_ptr<HostParam>> params;  // the first layer's, two later ones', a blocker
+    for (int priority : {0, 5, 6, 99}) {
+      params.push_back(rig.pipeline->add_param(n, DType::float32, false, priority));
+      rig.pipeline->load_weights(*params.back(), addr(weights[params.size() - 1].data()), 0);
+    }
+    auto spec = [&](int k) {
+      GradJob job = update_job(addr(weights[k].data()));
+      job.speculate = true;
+      return job;
+    };
+    for (int k = 0; k < 3; ++k) rig.pipeline->enable_speculation(*params[k]);
+    // The later layers' gradients arrive first and speculate before the verdict is known.
+    for (int k : {1, 2}) rig.pipeline->land_gradient(params[k], addr(grad.data()), 0, spec(k));
+    rig.transfer->land_all();
+    rig.pipeline->synchronize();
+    CHECK(rig.transfer->uploads.empty());
+    // Park the engine in the blocker's upload while the first layer's gradient and the verdict land.
+    rig.transfer->hold_uploads = true;
+    rig.pipeline->land_gradient(params[3], addr(grad.data()), 0, update_job(addr(weights[3].data())));
+    rig.transfer->land_all();
+    while (rig.transfer->uploads_entered == 0) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    rig.pipeline->land_gradient(params[0], addr(grad.data()), 0, spec(0));
+    const double on_device[2] = {1.0, 0.5};
+    const auto scale = rig.pipeline->land_scale(addr(on_device), 0);
+    for (int k : {1, 2, 0}) {
+      GradJob resolve = spec(k);
+      resolve.speculate = false;
+      resolve.commit = true;
+      resolve.scale = scale;
+      rig.pipeline->submit(params[k], resolve);
+    }
+    rig.transfer->land_all();
+    rig.transfer->hold_uploads = false;
+    rig.pipeline->synchronize();
+    CHECK(rig.transfer->uploads.size() == 4);
+    if (rig.transfer->uploads.size() == 4) {
+      CHECK(rig.transfer->uploads[0] == weights[3].data());
+      // With room, the ready commits go up while the first layer still updates; without, the
+      // first layer's update and commit come first, in forward order.
+      const int order[2][3] = {{0, 1, 2}, {1, 2, 0}};
+      for (int i = 0; i < 3; ++i) CHECK(rig.transfer->uploads[i + 1] == weights[order[room][i]].data());
+    }
+    CHECK(rig.pipeline->stats().updated_elements == 4 * n);
+  }
+}

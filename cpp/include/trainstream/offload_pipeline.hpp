@@ -215,6 +215,9 @@ class OffloadPipeline {
   // reload the masters (load_weights) before the next update.
   bool upload_terms() const { return upload_terms_; }
   void set_upload_terms(bool on) { upload_terms_ = on; }
+  // How many bytes of uploads may be on their way up ahead of a commit that redoes nothing before
+  // it stops jumping the queue of updates (see pick_locked).
+  void set_upload_window(std::size_t bytes) { upload_window_ = bytes; }
   std::size_t pending() const;
   std::size_t downloading_bytes() const;
   // How fast the engine updates, for the placement planner: wall seconds during which at least one
@@ -256,6 +259,8 @@ class OffloadPipeline {
   // `verdict` decides (null: all); returns how many.
   std::size_t drop_speculation_locked(const ClipScale* verdict);
   std::unique_ptr<Task> pick_locked();
+  // Under the mutex: whether the uploads issued and not yet seen complete are under the window.
+  bool upload_room_locked();
   void start(Task& task);
   Task* next_chunk_locked(std::size_t& chunk);
   void run_chunk(Task& task, std::size_t chunk);
@@ -271,6 +276,7 @@ class OffloadPipeline {
   std::atomic<bool> device_accumulate_;
   std::atomic<bool> pack_gradients_{true};
   std::atomic<bool> upload_terms_{false};
+  std::atomic<std::size_t> upload_window_{std::size_t(256) << 20};  // about 5 ms of PCIe Gen5
 
   mutable std::mutex mutex_;
   std::condition_variable work_ready_;
@@ -283,6 +289,12 @@ class OffloadPipeline {
   std::chrono::steady_clock::time_point busy_since_;
   Stats stats_;
   std::size_t downloading_bytes_ = 0;
+  struct Upload {
+    std::shared_ptr<HostParam> param;
+    std::size_t bytes;
+  };
+  std::deque<Upload> uploads_;  // issued by finish(), oldest first, until seen complete
+  std::size_t uploading_bytes_ = 0;  // their sum
   std::unique_ptr<TransferSlot> verdict_slot_;  // land_scale's downloads, one after another
   double* verdict_host_ = nullptr;               // where they land (from the arena, on first use)
   bool stopping_ = false;
