@@ -118,9 +118,10 @@ def budget_sweep(name: str):
 
 def sweep_table(record: dict) -> str:
     """TrainStream with no option but clipping against the peers, one row per VRAM cap."""
-    ran = {r["mode"] for r in record["results"]}
+    ran = list(dict.fromkeys(r["mode"] for r in record["results"]))
+    variants = [(mode, label_of(record, mode)) for mode in ran if mode.startswith("trainstream+")]
     peers = [(mode, name) for mode, name in [
-        ("trainstream", "TrainStream"), ("gpu-adamw", "PyTorch, fused AdamW"),
+        ("trainstream", "TrainStream"), *variants, ("gpu-adamw", "PyTorch, fused AdamW"),
         ("gpu-adamw+ckpt", "PyTorch + gradient checkpointing"), ("torchao", "torchao CPUOffloadOptimizer"),
         ("deepspeed", "DeepSpeed ZeRO-2 offload")] if mode in ran]  # (a peer the run left out: no column)
     caps = []
@@ -461,6 +462,30 @@ def copy_under_load(results: Path) -> str:
     return "\n\n".join([intro, table, caption([(f"machine {i + 1}", r) for i, r in enumerate(records)])])
 
 
+def timeline(name: str):
+    """A step_timeline.py file: each timed step by phase on the GPU, and how often the thread that
+    queues the forward reached a new block."""
+    def render(results: Path) -> str:
+        record = load(results, name)
+        phases = [p["phase"] for p in record["steps"][0]["phases"]]
+        rows = []
+        for k, step in enumerate(record["steps"]):
+            starts = step["block_starts_host_ms"]
+            pace = statistics.median(b - a for a, b in zip(starts, starts[1:]))
+            rows.append([str(k + 1)] + [f"{p['gpu_ms']:.1f}" for p in step["phases"]]
+                        + [f"{step['step_gpu_ms']:.1f}", f"{starts[0]:.1f}", f"{pace:.1f}"])
+        table = markdown_table(["step"] + [f"{p} (GPU ms)" for p in phases]
+                               + ["whole step (GPU ms)", "first block queued at (ms)", "a block queued every (ms)"], rows)
+        engine = record.get("host_engine")
+        lines = [line for line in record.get("placement", "").splitlines()
+                 if line.startswith(("placement:", "activations:", "expected step"))]
+        if engine:
+            lines.append(f"host engine: busy {engine['busy_ms_per_step']:.1f} ms a step, "
+                         f"{engine['elements_per_step'] / 1e6:.0f}M elements")
+        return "\n\n".join([table, "\n".join(f"- {line}" for line in lines), caption([("", record)])])
+    return render
+
+
 def recorded_table(name: str):
     """A NAME.json with "columns" and "rows": a comparison recorded as it was published."""
     def render(results: Path) -> str:
@@ -496,6 +521,13 @@ TABLES = {
     "hf_trainer": hf_trainer("hf_trainer"),
     "hf_trainer_compiled_gate": hf_trainer("hf_trainer_compiled_gate"),
     "compile_acc8": runs("compile_acc8"),
+    "clipping_acc1_suite": runs("clipping_acc1_suite"),
+    "clipping_acc1_repeat": runs("clipping_acc1_repeat"),
+    "engine_threads_uncapped": runs("engine_threads_uncapped"),
+    "engine_threads_20gb": runs("engine_threads_20gb"),
+    "budget_sweep_contention": budget_sweep("budget_sweep_contention"),
+    "budget_sweep_16gb": budget_sweep("budget_sweep_16gb"),
+    "timeline_planned_16gb": timeline("timeline_planned_16gb"),
 }
 
 # figure -> (results file, title): train_step.py runs drawn as step time and peak VRAM bars
