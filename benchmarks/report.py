@@ -289,6 +289,17 @@ def engine_threads(results: Path) -> str:
     return "\n\n".join([markdown_table(["threads", "GB/s", "ns/param"], rows), caption([("", r)])])
 
 
+def medians(results: list[dict]) -> list[dict]:
+    """Each mode's timed runs in one file, in the order the modes first ran: how many, and the
+    median, fastest and slowest step."""
+    steps: dict[str, list[float]] = {}
+    for r in results:
+        if r.get("step_s") is not None:
+            steps.setdefault(r["mode"], []).append(r["step_s"])
+    return [{"mode": mode, "runs": len(s), "median_s": statistics.median(s), "min_s": min(s), "max_s": max(s)}
+            for mode, s in steps.items()]
+
+
 def runs(name: str):
     """A train_step.py file as it ran: one row per mode, step time against the first GPU AdamW
     run (or the first mode) and peak VRAM; the fastest offloading mode in bold."""
@@ -309,8 +320,15 @@ def runs(name: str):
         params = next((r["params"] for r in record["results"] if r.get("params")), None)
         intro = f"{model_words(record['args'], params)}, accumulation {record['args']['acc']}."
         against = "vs GPU AdamW" if any(r["mode"] == "gpu-adamw" for r in done) else "vs the first"
-        table = markdown_table(["mode", "step", against, "peak VRAM"], rows)
-        return "\n\n".join([intro, table, caption([("", record)])])
+        tables = [markdown_table(["mode", "step", against, "peak VRAM"], rows)]
+        summary = medians(record["results"])
+        if any(m["runs"] > 1 for m in summary):  # a mode ran more than once: its spread, and medians
+            first = summary[0]["median_s"]
+            tables.append(markdown_table(
+                ["mode", "runs", "median step", "fastest - slowest", "median vs the first"],
+                [[label_of(record, m["mode"]), str(m["runs"]), s(m["median_s"]), f"{s(m['min_s'])} - {s(m['max_s'])}",
+                  f"{m['median_s'] / first:.2f}x"] for m in summary]))
+        return "\n\n".join([intro, *tables, caption([("", record)])])
     return render
 
 

@@ -38,6 +38,8 @@ import trainstream
 import trainstream._testing as baselines
 from trainstream.testing import causal_lm_loss, llama
 
+from report import medians, plot_runs  # (benchmarks/ is on the path: scripts here import each other)
+
 
 def build_model(args, device) -> torch.nn.Module:
     """The model of the flags, built on `device` in the weights' dtype (no fp32 copy of a bf16
@@ -276,6 +278,8 @@ def run_mode(mode: str, args) -> dict:
     result = {
         "mode": mode, "params": params, "step_s": seconds, "loss": float(loss),
         "peak_vram_GB": torch.cuda.max_memory_allocated() / 1e9, "weights_GB": weight_bytes / 1e9,
+        # what a cap limits: the allocator's segments, free blocks inside them included
+        "peak_reserved_GB": torch.cuda.max_memory_reserved() / 1e9,
         "tokens_per_s": args.batch * args.seq * acc / seconds, "max_grad_norm": clip,
         # allocations that found no room until the caching allocator gave its free blocks back
         # (each a device synchronization): a sign of a peak too close to a cap
@@ -361,9 +365,14 @@ def main(argv=None) -> int:
                          "blocks), '+master' (fp32 masters kept on the host and uploaded, not update "
                          "terms) or '+tN' (N host threads) on a trainstream mode gives a baseline "
                          "for that choice")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run the list of modes this many times, one round after another, and print each "
+                         "mode's median: runs of one mode in one process spread by several percent")
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)
     args = ap.parse_args(argv)
+    if args.rounds < 1:
+        ap.error("--rounds must be at least 1")
     if not torch.cuda.is_available():
         print("train_step.py needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -371,7 +380,7 @@ def main(argv=None) -> int:
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.vram_cap_gb * 1e9 / total))
     results = []
-    for mode in args.modes.split(","):
+    for mode in args.modes.split(",") * args.rounds:
         try:
             results.append(run_mode(mode, args))
         except ImportError as exc:
@@ -401,20 +410,22 @@ def main(argv=None) -> int:
             continue
         ratio = f"{r['step_s'] / base:.2f}x" if base else "-"
         print(f"{r['mode']:<24}{r['params'] / 1e9:>9.2f}B{r['step_s']:>9.3f}{ratio:>8}{r['peak_vram_GB']:>14.2f}{r['loss']:>8.3f}")
+    summary = medians(results)
+    if any(m["runs"] > 1 for m in summary):
+        print(f"\n{'mode':<24}{'runs':>5}{'median s':>10}{'fastest':>9}{'slowest':>9}{'vs 1st':>8}")
+        for m in summary:
+            print(f"{m['mode']:<24}{m['runs']:>5}{m['median_s']:>10.3f}{m['min_s']:>9.3f}{m['max_s']:>9.3f}"
+                  f"{m['median_s'] / summary[0]['median_s']:>7.2f}x")
     record = {"about": about(argv), "args": vars(args), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
               "trainstream": trainstream.__version__, "results": results}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(record, f, indent=1)
     if args.plot:
-        plot(results, args.plot)
+        plot_runs(results, args.plot)  # the drawing report.py redraws the docs' figures with
     return 0
 
 
-def plot(results, path) -> None:
-    from report import plot_runs  # the drawing report.py redraws the docs' figures with
-
-    plot_runs(results, path)
 
 
 def about(argv) -> dict:

@@ -95,3 +95,16 @@ def test_the_streaming_price_is_measured_against_its_bound(tmp_path):
     assert "| 4 GB | 3 | 0.200 s, 4.00 GB | 2.00x |" in table  # against the 6 GB run, the tightest resident one
     assert table.count("1.67x") == 1  # 0.2 s against its 0.12 s bound
     assert "compares with the 6 GB run" in table
+
+
+def test_each_modes_runs_reduce_to_their_median_in_first_run_order():
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import report as script
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    results = [{"mode": "b", "step_s": 0.3}, {"mode": "a", "step_s": 0.2}, {"mode": "b", "step_s": 0.1},
+               {"mode": "a", "error": "out of memory"}, {"mode": "b", "step_s": 0.2}]
+    assert script.medians(results) == [
+        {"mode": "b", "runs": 3, "median_s": 0.2, "min_s": 0.1, "max_s": 0.3},
+        {"mode": "a", "runs": 1, "median_s": 0.2, "min_s": 0.2, "max_s": 0.2}]
