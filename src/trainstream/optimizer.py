@@ -62,8 +62,9 @@ def resident_at_start(placement: str | float, count: int) -> int:
 
 
 def _compiled(module: torch.nn.Module) -> bool:
-    """Compiled in place (nn.Module.compile()) or a torch.compile wrapper."""
-    return getattr(module, "_compiled_call_impl", None) is not None or hasattr(module, "_orig_mod")
+    """Compiled in place (nn.Module.compile()) or a torch.compile wrapper (whose model is its
+    `_orig_mod` submodule; looked up directly, as a missing attribute costs an exception)."""
+    return getattr(module, "_compiled_call_impl", None) is not None or "_orig_mod" in module._modules
 
 
 def _weakly(method):
@@ -246,6 +247,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
             _OWNERS[id(p)] = (weakref.ref(p), weakref.ref(self))
         self._gate_hooks = None  # laid out below
         self._gate_units: list[torch.nn.Module] = []
+        self._compiled_seen: list[int] | None = None  # the compiled modules and wrappers last laid out for
         self._whole_forward_gate = self._shards is not None
         self._layout_gates(wrapped_by_compile=False)
         self._install_gates()
@@ -474,20 +476,26 @@ class OffloadedAdamW(torch.optim.Optimizer):
     def _remove_gates(self) -> None:
         self._gates_on = False
 
+    def _check_compiled(self, wrappers: list, compiled: list) -> None:
+        for model in wrappers or [self._model]:  # (a wrapper's modules include the model's)
+            check_compile_mode(model)
+        if self._streamer is not None and compiled:
+            raise UnsupportedSetupError(
+                "weight streaming runs in eager mode: torch.compile would trace the streamed weights' "
+                "device tensors, whose memory comes and goes between blocks. Train this model uncompiled, "
+                "or give it a VRAM budget its weights fit (Tuning(streamed_blocks=0) stops streaming)")
+        if self._pager is not None and compiled:
+            self._pager.light_census = False  # light recompute is offered in eager mode only
+
     def _before_forward(self, args: tuple, kwargs: dict) -> None:
         check_autocast(self._device.type)
         if self._forwards == 0:  # a model compiled after wrap() is seen at its first forward
             wrappers = compiled_wrappers(self._model)
-            for compiled in wrappers or [self._model]:  # (a wrapper's modules include the model's)
-                check_compile_mode(compiled)
-            if self._streamer is not None and (wrappers or any(_compiled(m) for m in self._model.modules())):
-                raise UnsupportedSetupError(
-                    "weight streaming runs in eager mode: torch.compile would trace the streamed weights' "
-                    "device tensors, whose memory comes and goes between blocks. Train this model uncompiled, "
-                    "or give it a VRAM budget its weights fit (Tuning(streamed_blocks=0) stops streaming)")
-            if self._pager is not None and (wrappers or any(_compiled(m) for m in self._model.modules())):
-                self._pager.light_census = False  # light recompute is offered in eager mode only
-            self._layout_gates(wrapped_by_compile=bool(wrappers))
+            compiled = wrappers + [m for m in self._model.modules() if _compiled(m)]
+            if [id(m) for m in compiled] != self._compiled_seen:  # (on the host's critical path: only on a change)
+                self._check_compiled(wrappers, compiled)
+                self._layout_gates(wrapped_by_compile=bool(wrappers))
+                self._compiled_seen = [id(m) for m in compiled]
         if torch.is_grad_enabled():
             if self._forwards == 0 and self._profiler is not None:
                 self._placement_window_starts(args, kwargs)
@@ -857,13 +865,14 @@ class OffloadedAdamW(torch.optim.Optimizer):
         return self._speculation
 
     def _update_resident(self, items: list, scale: float, device_scale: torch.Tensor | None) -> None:
-        """One launch (or host call) per set of parameters that share their hyperparameters."""
+        """One launch (or host call) per set of parameters that share their hyperparameters: their
+        group's and their step count."""
         batches: dict[tuple, list] = {}
         for s, grad in items:
-            hyper = self._hyper(s, scale)
-            batches.setdefault(tuple(sorted(hyper.items())), []).append((s, grad))
-        for key, batch in batches.items():
-            self._resident.update([(s.param, g, s.device_state) for s, g in batch], dict(key), device_scale)
+            batches.setdefault((id(s.group), s.step), []).append((s, grad))
+        for batch in batches.values():
+            hyper = self._hyper(batch[0][0], scale)
+            self._resident.update([(s.param, g, s.device_state) for s, g in batch], hyper, device_scale)
             for s, _ in batch:
                 self._mark_updated(s)
 
