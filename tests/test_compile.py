@@ -127,6 +127,31 @@ def test_cuda_graph_modes_are_refused_with_what_to_use(mode, order):
         lm_loss(compiled, torch.randint(0, 97, (2, 9)))
 
 
+def test_compiling_after_eager_windows_is_checked_and_moves_the_gates():
+    """The first forward of each window checks compilation and lays out the gates again only
+    when the compiled modules change: a model compiled after eager windows is still seen."""
+    model = TinyLM()
+    opt = torch.optim.AdamW(model.parameters())
+    model, opt = trainstream.wrap(model, opt, max_grad_norm=1.0, tuning=trainstream.Tuning(placement="offload"))
+    tokens = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(0))
+
+    def window(module):
+        lm_loss(module, tokens).backward()
+        opt.step()
+        opt.zero_grad()
+
+    for _ in range(2):
+        window(model)
+    assert len(_gated_modules(opt)) > len(model.blocks)
+    compiled = torch.compile(model, backend="aot_eager")
+    window(compiled)
+    assert _gated_modules(opt) == []  # the compiled model now waits once, at its start
+    window(compiled)
+    model.blocks[1].compile(mode="reduce-overhead")
+    with pytest.raises(UnsupportedSetupError, match="reduce-overhead"):
+        window(model)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("order", ["before", "after", "blocks in place, before"])
 @pytest.mark.parametrize("placement,activations", [("offload", "off"), ("offload", 0.5), (0.5, "off")],
