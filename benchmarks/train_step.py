@@ -426,8 +426,6 @@ def main(argv=None) -> int:
     return 0
 
 
-
-
 def about(argv) -> dict:
     """When, on what (the GPU, if any, and the CPU) and by which command a run was made: report.py's
     caption for its table."""
