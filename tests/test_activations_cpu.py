@@ -528,7 +528,8 @@ def test_auto_profile_finishes_when_a_block_does_not_run():
 
 def test_a_blocks_profiled_time_leaves_out_what_the_hooks_took():
     """What recomputing a block costs is its forward without the pager's hooks, which run only in
-    the profiled step's paging: hooks that take 10 ms a tensor do not make the block look slow."""
+    the profiled step's paging: hooks that take 50 ms a tensor do not make the block look slow
+    (a block of this size computes in well under that, even on a loaded machine)."""
     from trainstream.activations import ActivationPager
 
     class Deep(nn.Module):
@@ -546,7 +547,7 @@ def test_a_blocks_profiled_time_leaves_out_what_the_hooks_took():
     pack = pager._pack
 
     def slow_pack(x):
-        time.sleep(0.01)
+        time.sleep(0.05)
         return pack(x)
     pager._pack = slow_pack
     x = torch.randn(32, 64)
@@ -555,8 +556,8 @@ def test_a_blocks_profiled_time_leaves_out_what_the_hooks_took():
         model(x).backward()
         if step == 1:
             hooks = list(pager._hook_times)
-    assert all(h >= 0.02 for h in hooks)  # each block saves its linear's input and the GELU's
-    assert all(0 < t < 0.01 for t in pager.profile.block_seconds), (pager.profile.block_seconds, hooks)
+    assert all(h >= 0.1 for h in hooks)  # each block saves its linear's input and the GELU's
+    assert all(0 < t < 0.05 for t in pager.profile.block_seconds), (pager.profile.block_seconds, hooks)
 
 
 def test_activations_held_outside_autograd_are_reported():
