@@ -492,10 +492,11 @@ class OffloadedAdamW(torch.optim.Optimizer):
         if self._forwards == 0:  # a model compiled after wrap() is seen at its first forward
             wrappers = compiled_wrappers(self._model)
             compiled = wrappers + [m for m in self._model.modules() if _compiled(m)]
-            if [id(m) for m in compiled] != self._compiled_seen:  # (on the host's critical path: only on a change)
+            seen = [id(m) for m in compiled]
+            if seen != self._compiled_seen:  # (on the host's critical path: only on a change)
                 self._check_compiled(wrappers, compiled)
                 self._layout_gates(wrapped_by_compile=bool(wrappers))
-                self._compiled_seen = [id(m) for m in compiled]
+                self._compiled_seen = seen
         if torch.is_grad_enabled():
             if self._forwards == 0 and self._profiler is not None:
                 self._placement_window_starts(args, kwargs)
