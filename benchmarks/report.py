@@ -38,6 +38,7 @@ MARKER = re.compile(r"(<!-- results:([\w-]+) -->\n)(.*?)(<!-- /results:\2 -->)",
 LABELS = {
     "gpu-adamw": "GPU AdamW (fused), nothing offloaded",
     "gpu-adamw+ckpt": "PyTorch + gradient checkpointing",
+    "gpu-adamw+noclip": "GPU AdamW (fused), no clipping",
     "trainstream": "TrainStream",
     "trainstream+vramacc": "TrainStream, `accumulate_in_vram=True`",
     "trainstream+stream4": "TrainStream, the last 4 blocks' weights streamed",
@@ -514,6 +515,8 @@ def recorded_table(name: str):
 
 TABLES = {
     "budget_sweep": budget_sweep("budget_sweep"),
+    "budget_sweep_acc8": budget_sweep("budget_sweep_acc8"),
+    "budget_sweep_510ac8f": budget_sweep("budget_sweep_510ac8f"),
     "budget_sweep_nohooks": budget_sweep("budget_sweep_nohooks"),
     "budget_sweep_blocktime": budget_sweep("budget_sweep_blocktime"),
     "stream_095": runs("stream_095"),
@@ -546,12 +549,19 @@ TABLES = {
     "budget_sweep_contention": budget_sweep("budget_sweep_contention"),
     "budget_sweep_16gb": budget_sweep("budget_sweep_16gb"),
     "timeline_planned_16gb": timeline("timeline_planned_16gb"),
+    "timeline_planned_16gb_a4afeb2": timeline("timeline_planned_16gb_a4afeb2"),
+    "timeline_planned_20gb": timeline("timeline_planned_20gb"),
+    "clipping_acc1_commit_order": runs("clipping_acc1_commit_order"),
 }
 
-# figure -> (results file, title): train_step.py runs drawn as step time and peak VRAM bars
+# figure -> results file: train_step.py runs drawn as step time and peak VRAM bars
 PLOTS = {
     "docs/img/budget_1b.png": "activation_budget_fp32",
     "docs/img/paging_1b.png": "activation_ways_fp32",
+}
+# figure -> budget_sweep.py files: step time against the VRAM cap, one panel per accumulation
+SWEEP_PLOTS = {
+    "docs/img/budget_sweep.png": ("budget_sweep", "budget_sweep_acc8"),
 }
 
 
@@ -591,7 +601,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("results", nargs="?", default=str(ROOT / "docs" / "results"), help="the JSON files")
     ap.add_argument("--root", default=str(ROOT), help="the checkout whose documents are updated")
     ap.add_argument("--check", action="store_true", help="write nothing; exit 1 if a document is out of date")
-    ap.add_argument("--plots", action="store_true", help="also redraw " + ", ".join(PLOTS))
+    ap.add_argument("--plots", action="store_true", help="also redraw " + ", ".join([*PLOTS, *SWEEP_PLOTS]))
     args = ap.parse_args(argv)
     results, root = Path(args.results), Path(args.root)
     stale = []
@@ -609,6 +619,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.plots and not args.check:
         for figure, name in PLOTS.items():
             plot_runs(load(results, name)["results"], str(root / figure))
+            print(f"drew {figure}")
+        for figure, names in SWEEP_PLOTS.items():
+            sys.path.insert(0, str(ROOT / "benchmarks"))
+            import budget_sweep as sweep
+
+            rows = [r for name in names for r in load(results, name)["results"]]
+            sweep.plot(rows, sorted({r["acc"] for r in rows}), str(root / figure))
             print(f"drew {figure}")
     unused = sorted(p.stem for p in results.glob("*.json") if p.stem not in READ)
     if args.check:
