@@ -213,7 +213,7 @@ struct Row {
   std::string isa;
   std::size_t threads;
   std::string grad;
-  std::string output;  // "weights" (p updated in place) or "term" (term_only)
+  std::string output;  // "weights" (p updated in place), "term" (term_only) or "next" (term, moments out of place)
   double bytes_per_param;
   double ns_per_param;
   double gbps;
@@ -340,18 +340,22 @@ int run(const Options& o) {
     buffers.exp_avg = state.exp_avg.get();
     buffers.exp_avg_sq = state.exp_avg_sq.get();
     buffers.numel = n;
+    AdamWState next_state = make_state(engines.front()->pool(), n);  // (its moments only are written)
 
     for (DType grad_dtype : {DType::float32, DType::bfloat16}) {
       if (grad_dtype == DType::bfloat16) write_bf16_grad(engines.front()->pool(), state, n);
       buffers.grad_dtype = grad_dtype;
-      for (bool term : {false, true}) {
+      for (const char* output : {"weights", "term", "next"}) {
+        // "next": what a speculated update writes, the term and the moments into a second set
+        const bool term = output != std::string("weights"), next = output == std::string("next");
         buffers.term_only = term;
+        buffers.exp_avg_out = next ? next_state.exp_avg.get() : nullptr;
+        buffers.exp_avg_sq_out = next ? next_state.exp_avg_sq.get() : nullptr;
         const double bytes =
             (grad_dtype == DType::float32 ? kBytesFp32Grad : kBytesBf16Grad) - (term ? kBytesTermSaved : 0.0);
         for (auto& engine : engines) {
           const double seconds = median_step_seconds(*engine, buffers, o.repeats);
-          Row r{isa_name(engine->isa()), threads, grad_dtype == DType::float32 ? "fp32" : "bf16",
-                term ? "term" : "weights", bytes, seconds * 1e9 / n, bytes * n / seconds / 1e9, triad_gbps};
+          Row r{isa_name(engine->isa()), threads, grad_dtype == DType::float32 ? "fp32" : "bf16", output, bytes, seconds * 1e9 / n, bytes * n / seconds / 1e9, triad_gbps};
           std::printf("%-7s %7zu %5s %8s %8.0f %10.4f %9.1f %11.1f %6.0f%%\n", r.isa.c_str(), r.threads,
                       r.grad.c_str(), r.output.c_str(), r.bytes_per_param, r.ns_per_param, r.gbps,
                       r.triad_gbps, 100.0 * r.gbps / r.triad_gbps);

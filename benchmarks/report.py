@@ -275,13 +275,20 @@ def adamw_vs_torch(results: Path) -> str:
                         caption([("", r)])])
 
 
-def engine_update_term(results: Path) -> str:
-    r = load(results, "engine_update_term")
-    rows = [[f"{x['grad']} gradients", "new weights" if x["output"] == "weights" else "update term",
-             f"{x['bytes_per_param']:.0f}", f"{x['ns_per_param']:.4f}", f"{x['GBps']:.0f}",
-             f"{x['triad_GBps']:.0f}" if x.get("triad_GBps") else "-"] for x in r["rows"]]
-    return "\n\n".join([markdown_table(["gradients", "host writes", "bytes/param", "ns/param", "GB/s", "triad GB/s"],
-                                       rows), caption([("", r)])])
+ENGINE_OUTPUTS = {"weights": "new weights", "term": "update term",
+                  "next": "update term, new moments into a second set (a speculated update)"}
+
+
+def engine_outputs(name: str):
+    """bench_host_adamw: the host AdamW's rate by gradient dtype and what it writes."""
+    def render(results: Path) -> str:
+        r = load(results, name)
+        rows = [[f"{x['grad']} gradients", ENGINE_OUTPUTS[x["output"]], f"{x['bytes_per_param']:.0f}",
+                 f"{x['ns_per_param']:.4f}", f"{x['GBps']:.0f}", f"{x['triad_GBps']:.0f}" if x.get("triad_GBps") else "-"]
+                for x in r["rows"]]
+        return "\n\n".join([markdown_table(["gradients", "host writes", "bytes/param", "ns/param", "GB/s", "triad GB/s"],
+                                           rows), caption([("", r)])])
+    return render
 
 
 def engine_threads(results: Path) -> str:
@@ -525,7 +532,8 @@ TABLES = {
     "plan_accuracy_20gb": plan_accuracy("plan_accuracy_20gb"),
     "plan_accuracy_light": plan_accuracy("plan_accuracy_light"),
     "adamw_vs_torch": adamw_vs_torch,
-    "engine_update_term": engine_update_term,
+    "engine_update_term": engine_outputs("engine_update_term"),
+    "engine_speculation": engine_outputs("engine_speculation"),
     "engine_threads": engine_threads,
     "peers_acc8": runs("peers_acc8"),
     "vram_floor": runs("vram_floor"),
@@ -552,6 +560,9 @@ TABLES = {
     "timeline_planned_16gb_a4afeb2": timeline("timeline_planned_16gb_a4afeb2"),
     "timeline_planned_20gb": timeline("timeline_planned_20gb"),
     "clipping_acc1_commit_order": runs("clipping_acc1_commit_order"),
+    "clipping_bf16": runs("clipping_bf16"),
+    "timeline_clip_none": timeline("timeline_clip_none"),
+    "timeline_clip_1e9": timeline("timeline_clip_1e9"),
 }
 
 # figure -> results file: train_step.py runs drawn as step time and peak VRAM bars

@@ -328,17 +328,18 @@ void OffloadPipeline::enqueue(const std::shared_ptr<HostParam>& p, const GradJob
 // Chooses the next job to start: among jobs that are next in line for their parameter and whose
 // gradient (and clip verdict) has landed, plain accumulation first (in arrival order: the next
 // backward needs those landing buffers back in that order), then updates in forward order. A
-// commit that redoes nothing only swaps buffers and uploads. When a window's verdict lands, the
+// commit that redoes nothing only swaps buffers and uploads an fp32 term (bf16 weights went up
+// when they were speculated, so it goes first). When a window's verdict lands, the
 // parameters that speculated early are all ready to commit at once while the engine still updates
 // the first layers: such a commit goes ahead of the updates while the uploads on their way up are
 // under the window, so the stream stays busy, and otherwise waits its turn in forward order, so
 // the weights the next forward needs first never queue behind more than the window of later ones.
 std::unique_ptr<OffloadPipeline::Task> OffloadPipeline::pick_locked() {
   std::optional<bool> room;  // asked once, when a commit needs it
-  auto ahead = [&](const GradJob& job) {
+  auto ahead = [&](const GradJob& job, const HostParam& p) {
     const bool swap_only = job.commit && (!job.update || (job.scale && job.scale->commits()));
     if (!swap_only) return !job.update;
-    if (job.device_weight == 0) return true;
+    if (job.device_weight == 0 || p.weight_dtype == DType::bfloat16) return true;  // uploads nothing
     if (!room) room = upload_room_locked();
     return *room;
   };
@@ -348,7 +349,7 @@ std::unique_ptr<OffloadPipeline::Task> OffloadPipeline::pick_locked() {
     const Task& t = **it;
     const HostParam& p = *t.param;
     if (t.seq != p.done_ + 1 || p.landed_ < t.download || (t.job.scale && !t.job.scale->landed())) continue;
-    const bool a = ahead(t.job);
+    const bool a = ahead(t.job, p);
     // (in one class, the earlier keeps its place: arrival order, or forward order among updates)
     if (best == queue_.end() || (a && !best_ahead) ||
         (a == best_ahead && !a && p.priority < (*best)->param->priority)) {
@@ -426,12 +427,14 @@ void OffloadPipeline::start(Task& task) {
     b.term_only = fp32_term;
     if (job.speculate || redo) {
       // The term is no state (the device holds the weights), so it may be written over; the
-      // moments and a bf16 master may not, nor the landing buffer (a redo reads the gradient).
+      // moments and a bf16 master may not, nor the landing buffer while a speculation may be
+      // redone from its gradient. A redo reads each gradient element before it writes that
+      // element's rounding, as an update in place does.
       b.exp_avg_out = p.next_exp_avg;
       b.exp_avg_sq_out = p.next_exp_avg_sq;
       if (bf16) {
         b.param_out = p.next_master;
-        b.param_bf16 = p.next_bf16;
+        if (job.speculate) b.param_bf16 = p.next_bf16;
       }
     }
     try {
@@ -480,9 +483,16 @@ void OffloadPipeline::run_chunk(Task& task, std::size_t chunk) {
   if (job.update) engine_.kernel()(task.buffers, task.coeffs, begin, end);
 }
 
-// After the job's last chunk, on the thread that ran it: the norm and the upload.
-void OffloadPipeline::finish(Task& task) {
-  if (task.skip) return;
+// After the job's last chunk, on the thread that ran it: the norm and the upload. Returns the
+// bytes it queued for upload.
+//
+// Weights go up as soon as they are known, whatever a clip verdict later says, except fp32 update
+// terms. A speculated bf16 rounding goes up at once, as an update without clipping does: the
+// weights in VRAM are nobody's state (the master is, on the host), and if the verdict clips, the
+// redo uploads the right rounding behind it on the same stream before the next forward reads
+// them. An fp32 term cannot be taken back once applied, so it waits in host memory for the commit.
+std::size_t OffloadPipeline::finish(Task& task) {
+  if (task.skip) return 0;
   HostParam& p = *task.param;
   if (task.job.norm) {
     double total = 0;
@@ -496,16 +506,20 @@ void OffloadPipeline::finish(Task& task) {
     std::swap(p.exp_avg_sq, p.next_exp_avg_sq);
     if (p.weight_dtype == DType::bfloat16) std::swap(p.master, p.next_master);
   }
-  if (task.job.device_weight == 0 || task.job.speculate) return;  // a speculation uploads at its commit
+  if (task.job.device_weight == 0) return 0;
   void* device = reinterpret_cast<void*>(task.job.device_weight);
   if (task.buffers.term_only) {
+    if (task.job.speculate) return 0;  // (the commit uploads it)
     transfer_->upload_update(*p.slot_, static_cast<float*>(device), p.master, p.numel, task.coeffs.decay);
-  } else {
-    const void* bf16 = task.job.commit ? static_cast<const void*>(p.next_bf16)
-                       : p.keeps_weights_ ? static_cast<const void*>(p.host_bf16) : p.grad;
-    const void* src = p.weight_dtype == DType::bfloat16 ? bf16 : static_cast<const void*>(p.master);
-    transfer_->upload(*p.slot_, device, src, p.weight_bytes());
+    return sizeof(float) * p.numel;
   }
+  if (p.weight_dtype == DType::bfloat16) {
+    if (!task.job.update) return 0;  // a commit that redoes nothing: uploaded when speculated
+    transfer_->upload(*p.slot_, device, task.buffers.param_bf16, p.weight_bytes());
+  } else {
+    transfer_->upload(*p.slot_, device, p.master, p.weight_bytes());
+  }
+  return p.weight_bytes();
 }
 
 void OffloadPipeline::worker_loop() {
@@ -543,16 +557,15 @@ void OffloadPipeline::worker_loop() {
     std::unique_ptr<Task> done = std::move(*it);
     running_.erase(it);
     lock.unlock();
+    std::size_t bytes = 0;
     try {
-      finish(*done);
+      bytes = finish(*done);
     } catch (...) {
       record_error();
     }
     lock.lock();
     if (done->job.update && !done->skip) stats_.updated_elements += done->param->numel;
-    if (!done->skip && done->job.device_weight != 0 && !done->job.speculate) {  // finish() uploaded
-      const HostParam& p = *done->param;
-      const std::size_t bytes = done->buffers.term_only ? sizeof(float) * p.numel : p.weight_bytes();
+    if (bytes) {
       uploads_.push_back({done->param, bytes});
       uploading_bytes_ += bytes;
       upload_room_locked();  // (drops those seen complete, so the list stays short)

@@ -105,9 +105,10 @@ struct GradJob {
   AdamWHyper hyper;
   std::uintptr_t device_weight = 0;  // after the update, upload the weights here (0: don't)
   // Clipping without waiting for the global norm: `update` with `speculate` writes the parameter's
-  // next-state buffers and uploads nothing. Once the norm says the clip coefficient is 1, a job
-  // with `commit` (and the same hyperparameters and device_weight) makes them the state and
-  // uploads; otherwise a plain update redoes the step from the untouched state.
+  // next-state buffers, and uploads bf16 weights' rounding at once but an fp32 term not. Once the
+  // norm says the clip coefficient is 1, a job with `commit` (and the same hyperparameters and
+  // device_weight) makes them the state and uploads the term; otherwise a plain update redoes the
+  // step from the untouched state and uploads its own weights behind the speculated ones.
   bool speculate = false;
   bool commit = false;
   // The clip coefficient as landed from the device: the job waits for it, and it replaces
@@ -264,7 +265,7 @@ class OffloadPipeline {
   void start(Task& task);
   Task* next_chunk_locked(std::size_t& chunk);
   void run_chunk(Task& task, std::size_t chunk);
-  void finish(Task& task);
+  std::size_t finish(Task& task);
   void worker_loop();
   void record_error();
   void rethrow_locked();

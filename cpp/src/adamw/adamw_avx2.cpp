@@ -72,7 +72,14 @@ void adamw_avx2(const AdamWBuffers& b, const AdamWCoeffs& c, std::size_t begin, 
     }
     const __m256 pn = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(b.param + i), decay), term);
     store(p_out + i, pn);
-    if (b.param_bf16) _mm_storeu_si128(reinterpret_cast<__m128i*>(b.param_bf16 + i), to_bf16(pn));
+    if (b.param_bf16) {
+      auto* at = reinterpret_cast<__m128i*>(b.param_bf16 + i);
+      if (streamed && reinterpret_cast<std::uintptr_t>(at) % 16 == 0) {
+        _mm_stream_si128(at, to_bf16(pn));
+      } else {
+        _mm_storeu_si128(at, to_bf16(pn));
+      }
+    }
   }
   if (b.term_only || streamed) _mm_sfence();  // the streamed stores are visible before the caller moves on
   if (i < end) adamw_scalar(b, c, i, end);
