@@ -355,7 +355,8 @@ int run(const Options& o) {
             (grad_dtype == DType::float32 ? kBytesFp32Grad : kBytesBf16Grad) - (term ? kBytesTermSaved : 0.0);
         for (auto& engine : engines) {
           const double seconds = median_step_seconds(*engine, buffers, o.repeats);
-          Row r{isa_name(engine->isa()), threads, grad_dtype == DType::float32 ? "fp32" : "bf16", output, bytes, seconds * 1e9 / n, bytes * n / seconds / 1e9, triad_gbps};
+          Row r{isa_name(engine->isa()), threads, grad_dtype == DType::float32 ? "fp32" : "bf16", output,
+                bytes, seconds * 1e9 / n, bytes * n / seconds / 1e9, triad_gbps};
           std::printf("%-7s %7zu %5s %8s %8.0f %10.4f %9.1f %11.1f %6.0f%%\n", r.isa.c_str(), r.threads,
                       r.grad.c_str(), r.output.c_str(), r.bytes_per_param, r.ns_per_param, r.gbps,
                       r.triad_gbps, 100.0 * r.gbps / r.triad_gbps);
