@@ -2,7 +2,7 @@
 # Build, test and benchmark on a CUDA machine in one go; logs and JSON land in $1 (default ./gpu-results).
 #   bash benchmarks/gpu_suite.sh [OUTDIR] [STAGES]
 # STAGES: comma list of build,tests,verify,adamw,step,placement,timeline,paging,large,sanitize,
-#         clipping,spec_timeline,compile,hf,streaming,stream_limit,stream_price,light,contention,distributed
+#         clipping,clipping_planned,spec_timeline,compile,hf,streaming,stream_limit,stream_price,light,contention,distributed
 #         (default: build,tests,verify,adamw,step)
 set -uo pipefail
 out="${1:-gpu-results}"
@@ -51,6 +51,12 @@ if has clipping; then  # clipped offloaded updates: speculated (norm under the t
 gpu-adamw+noclip,gpu-adamw,trainstream+offload+noclip,trainstream+offload+clip1e9,trainstream+offload+clip1e9+waitclip,\
 trainstream+offload,trainstream+offload+waitclip,trainstream,trainstream+offload+noclip,trainstream+offload+clip1e9 \
     --json "$out/clipping.json" 2>&1 | grep -A14 "^NVIDIA"
+fi
+if has clipping_planned; then  # the same under a 16 GB cap with no option but the norm: the planner's
+  # offloaded parameters speculate (never clipping) or not (no clipping), each twice; then clipping every step
+  python3 "$repo/benchmarks/train_step.py" --acc 1 --steps 15 --clip 1.0 --vram-cap-gb 16 --modes \
+trainstream+noclip,trainstream+clip1e9,trainstream+noclip,trainstream+clip1e9,trainstream \
+    --json "$out/clipping_planned_16gb.json" 2>&1 | grep -A14 "^NVIDIA"
 fi
 if has spec_timeline; then  # where an offloaded step's time goes without clipping and with a norm that never clips
   for clip in none 1e9; do
