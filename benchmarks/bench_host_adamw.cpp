@@ -340,7 +340,8 @@ int run(const Options& o) {
     buffers.exp_avg = state.exp_avg.get();
     buffers.exp_avg_sq = state.exp_avg_sq.get();
     buffers.numel = n;
-    AdamWState next_state = make_state(engines.front()->pool(), n);  // (its moments only are written)
+    // "next" writes the moments here (touched first by the untimed warm-up step)
+    Buffer next_exp_avg = alloc_floats(n), next_exp_avg_sq = alloc_floats(n);
 
     for (DType grad_dtype : {DType::float32, DType::bfloat16}) {
       if (grad_dtype == DType::bfloat16) write_bf16_grad(engines.front()->pool(), state, n);
@@ -349,8 +350,8 @@ int run(const Options& o) {
         // "next": what a speculated update writes, the term and the moments into a second set
         const bool term = output != std::string("weights"), next = output == std::string("next");
         buffers.term_only = term;
-        buffers.exp_avg_out = next ? next_state.exp_avg.get() : nullptr;
-        buffers.exp_avg_sq_out = next ? next_state.exp_avg_sq.get() : nullptr;
+        buffers.exp_avg_out = next ? next_exp_avg.get() : nullptr;
+        buffers.exp_avg_sq_out = next ? next_exp_avg_sq.get() : nullptr;
         const double bytes =
             (grad_dtype == DType::float32 ? kBytesFp32Grad : kBytesBf16Grad) - (term ? kBytesTermSaved : 0.0);
         for (auto& engine : engines) {

@@ -631,10 +631,10 @@ def main(argv: list[str] | None = None) -> int:
         for figure, name in PLOTS.items():
             plot_runs(load(results, name)["results"], str(root / figure))
             print(f"drew {figure}")
-        for figure, names in SWEEP_PLOTS.items():
-            sys.path.insert(0, str(ROOT / "benchmarks"))
-            import budget_sweep as sweep
+        sys.path.insert(0, str(ROOT / "benchmarks"))  # (its model code is needed for drawing only)
+        import budget_sweep as sweep
 
+        for figure, names in SWEEP_PLOTS.items():
             rows = [r for name in names for r in load(results, name)["results"]]
             sweep.plot(rows, sorted({r["acc"] for r in rows}), str(root / figure))
             print(f"drew {figure}")

@@ -9,6 +9,14 @@ namespace trainstream {
 
 static_assert(kChunkAlignment % kNormBlock == 0, "a job's chunks must hold whole norm blocks");
 
+namespace {
+
+// Whether a commit that redoes nothing uploads: an fp32 term waits for it, while bf16 weights went
+// up when they were speculated (finish()).
+bool commit_uploads(const HostParam& p) { return p.weight_dtype != DType::bfloat16; }
+
+}  // namespace
+
 OffloadPipeline::OffloadPipeline(std::unique_ptr<Transfer> transfer, std::size_t threads,
                                  std::optional<Isa> isa, std::size_t max_download_bytes,
                                  bool device_accumulate)
@@ -339,7 +347,7 @@ std::unique_ptr<OffloadPipeline::Task> OffloadPipeline::pick_locked() {
   auto ahead = [&](const GradJob& job, const HostParam& p) {
     const bool swap_only = job.commit && (!job.update || (job.scale && job.scale->commits()));
     if (!swap_only) return !job.update;
-    if (job.device_weight == 0 || p.weight_dtype == DType::bfloat16) return true;  // uploads nothing
+    if (job.device_weight == 0 || !commit_uploads(p)) return true;
     if (!room) room = upload_room_locked();
     return *room;
   };
@@ -513,8 +521,8 @@ std::size_t OffloadPipeline::finish(Task& task) {
     transfer_->upload_update(*p.slot_, static_cast<float*>(device), p.master, p.numel, task.coeffs.decay);
     return sizeof(float) * p.numel;
   }
+  if (!task.job.update && !commit_uploads(p)) return 0;  // (bf16 weights go up from an update's rounding)
   if (p.weight_dtype == DType::bfloat16) {
-    if (!task.job.update) return 0;  // a commit that redoes nothing: uploaded when speculated
     transfer_->upload(*p.slot_, device, task.buffers.param_bf16, p.weight_bytes());
   } else {
     transfer_->upload(*p.slot_, device, p.master, p.weight_bytes());

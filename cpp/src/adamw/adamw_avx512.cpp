@@ -78,7 +78,8 @@ void adamw_avx512(const AdamWBuffers& b, const AdamWCoeffs& c, std::size_t begin
     const __m512 pn = _mm512_add_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(k, b.param + i), decay), term);
     store(p_out + i, k, left >= 16, pn);
     if (b.param_bf16) {
-      // Out of place the rounding goes to a buffer nothing here read (a speculation's): streamed too.
+      // Out of place the rounding is streamed too: a speculation's buffer is not read here, and a
+      // redo's (the landing buffer) only element by element just before.
       if (streamed && left >= 16 && reinterpret_cast<std::uintptr_t>(b.param_bf16 + i) % 32 == 0) {
         _mm256_stream_si256(reinterpret_cast<__m256i*>(b.param_bf16 + i), to_bf16(pn));
       } else {
