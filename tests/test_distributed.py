@@ -287,7 +287,8 @@ def _fsdp2_rank(rank: int, port: int, results, device: str, backend: str, world:
                 sharded_state=all(type(v).__name__ == "DTensor" for e in state["state"].values()
                                   for k, v in e.items() if k != "step"),
                 distributed=report["distributed"], speculation=report["speculation"],
-                norm=report["last_grad_norm"], describe=opt.describe())
+                norm=report["last_grad_norm"], describe=opt.describe(),
+                exit_grace=trainstream.distributed._exit_grace_registered)
             opt.remove_hooks()
             if device == "cuda":
                 stock = _sharded_model(device)
@@ -360,6 +361,14 @@ def test_fsdp2_ranks_update_their_own_shards(fsdp2_ranks):
     if world == 2:
         assert shares[1]["owned_params"] == shares[0]["owned_params"] - 2  # the one-row layer: empty shards
         assert "FSDP2: rank 1 of 2 updates" in ranks[1][name]["describe"]
+
+
+def test_fsdp2_ranks_wait_at_exit_for_the_process_groups_threads(fsdp2_ranks):
+    """gloo's threads free FSDP2's collectives' tensors as they complete; one still doing so when the
+    interpreter finalizes aborts the process (std::terminate) after a correct run, as a DDP
+    communication hook's callback would: the grace at exit covers FSDP2 too."""
+    _, ranks = fsdp2_ranks
+    assert all(rank[name]["exit_grace"] for rank in ranks for name, *_ in FSDP2_CASES)
 
 
 @pytest.mark.parametrize("name", ["resumed", "from one process", "through DCP's helpers"])

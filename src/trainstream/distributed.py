@@ -50,17 +50,25 @@ def data_parallel_of(model: torch.nn.Module):
     return model if isinstance(model, torch.nn.parallel.DistributedDataParallel) else None
 
 
-# The communication hook's Python callback runs on a thread of the process group's, which then frees
-# it, and freeing a Python function takes the GIL. A thread that asks for the GIL while the
-# interpreter finalizes is ended on the spot, and ending a C++ thread that way is std::terminate:
-# a run that trained correctly would abort at exit. So, at exit and before finalizing, the main
-# thread lets go of the GIL for a moment, long enough for the last step's callbacks to be freed.
+# A process group's threads free Python objects when their work completes: DDP's communication
+# hook's callback, FSDP2's collectives' tensors. Freeing one takes the GIL, and a thread that asks
+# for the GIL while the interpreter finalizes is ended on the spot; ending a C++ thread that way is
+# std::terminate: a run that trained correctly would abort at exit. So, at exit and before
+# finalizing, the main thread lets go of the GIL for a moment, long enough for the last step's
+# objects to be freed.
 _EXIT_GRACE_S = 0.05
 _exit_grace_registered = False
 
 
 def _exit_grace() -> None:
     time.sleep(_EXIT_GRACE_S)
+
+
+def _register_exit_grace() -> None:
+    global _exit_grace_registered
+    if not _exit_grace_registered:
+        atexit.register(_exit_grace)
+        _exit_grace_registered = True
 
 
 class DataParallel:
@@ -74,10 +82,7 @@ class DataParallel:
         self.owners = owners  # per trainable parameter, in forward order (partition())
         self._optimizer = None  # detached by remove_hooks(): the hook then only all-reduces
         self._lock = threading.Lock()  # gloo may complete two buckets' futures on two threads
-        global _exit_grace_registered
-        if not _exit_grace_registered:
-            atexit.register(_exit_grace)
-            _exit_grace_registered = True
+        _register_exit_grace()
         try:
             ddp.register_comm_hook(self, _reduce_then_hand_over)
         except (RuntimeError, ValueError) as e:
@@ -171,6 +176,7 @@ class Sharded:
         self.group = self.mesh.get_group()
         self.rank = dist.get_rank(self.group)
         self.world = dist.get_world_size(self.group)
+        _register_exit_grace()
 
     def global_squared_norm(self, local: float, device: torch.device) -> float:
         """A collective: every rank calls it at the same point of step()."""
