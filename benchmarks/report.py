@@ -523,6 +523,9 @@ def recorded_table(name: str):
 TABLES = {
     "budget_sweep": budget_sweep("budget_sweep"),
     "budget_sweep_acc8": budget_sweep("budget_sweep_acc8"),
+    "budget_sweep_margins_acc1": budget_sweep("budget_sweep_margins_acc1"),
+    "budget_sweep_margins_acc8": budget_sweep("budget_sweep_margins_acc8"),
+    "budget_sweep_margins_acc1_16": budget_sweep("budget_sweep_margins_acc1_16"),
     "budget_sweep_510ac8f": budget_sweep("budget_sweep_510ac8f"),
     "budget_sweep_nohooks": budget_sweep("budget_sweep_nohooks"),
     "budget_sweep_blocktime": budget_sweep("budget_sweep_blocktime"),
@@ -563,6 +566,9 @@ TABLES = {
     "clipping_bf16": runs("clipping_bf16"),
     "timeline_clip_none": timeline("timeline_clip_none"),
     "timeline_clip_1e9": timeline("timeline_clip_1e9"),
+    "clipping_planned_16gb_before": runs("clipping_planned_16gb_before"),
+    "timeline_noclip_15gb": timeline("timeline_noclip_15gb"),
+    "clipping_planned_16gb": runs("clipping_planned_16gb"),
 }
 
 # figure -> results file: train_step.py runs drawn as step time and peak VRAM bars

@@ -103,20 +103,26 @@ def test_offloading_costs_more_with_clipping_and_more_the_earlier_the_parameters
     assert clip > no_clip  # every host update waits for the global norm
 
 
-def test_host_updates_that_run_during_the_next_forward_slow_it():
-    """With clipping, the offloaded updates start when backward ends and run beside the thread
-    that queues the device update and the next forward: charged until the forward ends."""
+def test_host_updates_slow_the_threads_that_queue_the_gpu_work_beside_them():
+    """The offloaded updates share the CPU with the threads queueing backward, the device update
+    and the next forward: with clipping they start when backward ends, without it as each gradient
+    lands; either way charged until the next forward ends."""
     profile = made_up_profile(clipping=True, host_ns=0.25)
     params = len(profile.params)
     head = planner.step_seconds(profile, planner.Plan(resident=params - 1))[1]
     # 65M elements at 0.25 ns: 16 ms of updates from the end of backward, all of it before the forward ends
-    assert head["host_contention_s"] == pytest.approx(planner.FORWARD_CONTENTION * 0.01625)
-    # without clipping the head's update runs as its gradient lands, early in backward: nothing left for the forward
-    assert planner.step_seconds(made_up_profile(), planner.Plan(resident=params - 1))[1]["host_contention_s"] == 0
+    assert head["host_contention_s"] == pytest.approx(planner.HOST_CONTENTION * 0.01625)
+    # without clipping the head's update runs as its gradient lands, early in backward: charged the same
+    no_clip = made_up_profile(host_ns=0.25)
+    assert planner.step_seconds(no_clip, planner.Plan(resident=params - 1))[1]["host_contention_s"] == \
+        pytest.approx(planner.HOST_CONTENTION * 0.01625)
     # no more than the device update (none here) and the forward, however long the updates
     everything = planner.step_seconds(profile, planner.Plan(resident=0))[1]
     assert everything["device_update_s"] == 0
-    assert everything["host_contention_s"] == pytest.approx(planner.FORWARD_CONTENTION * profile.forward_s)
+    assert everything["host_contention_s"] == pytest.approx(planner.HOST_CONTENTION * profile.forward_s)
+    # without clipping, from the first gradient's landing on
+    spread = planner.step_seconds(made_up_profile(host_ns=0.25), planner.Plan(resident=0))[1]
+    assert spread["host_contention_s"] > everything["host_contention_s"]
 
 
 def test_a_block_recomputed_costs_its_recompute_time_where_measured():
@@ -536,10 +542,11 @@ def test_a_re_plan_recomputes_after_a_plan_that_needed_no_hooks():
     assert_same_bits(model, opt, ref, ref_opt, "re-planned")
 
 
-@pytest.mark.parametrize("env,turned_on", [({}, True), ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}, False),
-                                           ({"PYTORCH_ALLOC_CONF": "max_split_size_mb:64,expandable_segments:True"},
-                                            False)])
-def test_the_planner_turns_on_expandable_segments_unless_the_user_chose(monkeypatch, env, turned_on):
+@pytest.mark.parametrize("env,turned_on,on", [({}, True, True),
+                                              ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}, False, False),
+                                              ({"PYTORCH_ALLOC_CONF": "max_split_size_mb:64,expandable_segments:True"},
+                                               False, True)])
+def test_the_planner_turns_on_expandable_segments_unless_the_user_chose(monkeypatch, env, turned_on, on):
     wrapping = importlib.import_module("trainstream.wrap")  # (the package's `wrap` is the function)
     for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
         monkeypatch.delenv(name, raising=False)
@@ -548,12 +555,20 @@ def test_the_planner_turns_on_expandable_segments_unless_the_user_chose(monkeypa
     calls, deprecated = [], []
     monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", calls.append, raising=False)
     monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", deprecated.append, raising=False)
-    assert wrapping.expandable_segments() is turned_on
+    assert wrapping.expandable_segments() is on
     assert calls == (["expandable_segments:True"] if turned_on else []) and deprecated == []
     # an older torch has the CUDA setting only
     monkeypatch.delattr(torch._C, "_accelerator_setAllocatorSettings")
-    assert wrapping.expandable_segments() is turned_on
+    assert wrapping.expandable_segments() is on
     assert deprecated == (["expandable_segments:True"] if turned_on else [])
+
+
+@pytest.mark.parametrize("usable_gb,expandable,margin_gb", [(24, False, 1.2), (24, True, 0.537), (8, True, 0.537),
+                                                           (0.7, True, 0.07), (100, True, 2.0)])
+def test_the_default_budget_leaves_a_smaller_margin_with_expandable_segments(usable_gb, expandable, margin_gb):
+    wrapping = importlib.import_module("trainstream.wrap")
+    margin = wrapping.fragmentation_margin(int(usable_gb * 1e9), expandable)
+    assert margin == pytest.approx(margin_gb * 1e9, rel=1e-3)
 
 
 def lightly(profile: planner.Profile, kept: float = 0.4, seconds: float = 0.0003) -> planner.Profile:

@@ -29,15 +29,18 @@ import heapq
 from dataclasses import dataclass, field, fields, replace
 
 GB = 1e9
-RESERVE_FRACTION = 0.03  # of the budget, for the model's error: the plan's peak stays under the rest
+RESERVE_FRACTION = 0.02  # of the budget, for the model's error: the plan's peak stays under the rest
 MIN_RESERVE = 256 << 20
 STEP_FRACTION = 0.01  # offload moves take at least this share of the parameters' bytes at a time
 PAGING_HOST_SLOWDOWN = 1.2  # the host engine while paging copies share host memory (measured: 18%)
-# What each second of host updates running after backward adds to the step: the thread that
-# queues the device update and then the next forward shares the CPU with the engine, and a forward
-# like a Llama's is host-bound (measured on a 16-core Xeon, 0.95B Llama: 36 ms of updates made the
-# forward 23 ms longer; 24 ms of them, 15 to 18 ms longer).
-FORWARD_CONTENTION = 0.6
+# What each second of host updates adds to the step while the GPU's work is queued by threads that
+# share the CPU with the engine: the backward (autograd's thread, a recomputed block's forward),
+# the device update and the next forward, a Llama's being host-bound. Measured on a 16-core Xeon,
+# 0.95B Llama: 36 ms of updates after backward made the forward 23 ms longer, 24 ms of them 15 to
+# 18 ms longer; without clipping, 57 ms of updates during a backward of 71 ms (10 blocks
+# recomputed) made it 19 to 37 ms longer, and with every parameter offloaded 180 ms of them
+# stretched a 51 ms backward to 105-151 ms.
+HOST_CONTENTION = 0.6
 
 
 @dataclass(frozen=True)
@@ -376,8 +379,8 @@ def step_seconds(profile: Profile, plan: Plan) -> tuple[float, dict]:
     wait = max((uploaded[i] - forward_start - params[i].need_s for i in offloaded), default=0.0)
     wait = max(0.0, wait)
     forward_end = forward_start + profile.forward_s
-    # (from the end of backward: the thread queues the device update, then runs ahead into the forward)
-    contention = FORWARD_CONTENTION * sum(max(0.0, min(b, forward_end) - max(a, update_start)) for a, b in busy)
+    # (through the last backward, the device update and the next forward: the threads queueing them)
+    contention = HOST_CONTENTION * sum(max(0.0, min(b, forward_end) - a) for a, b in busy)
     total = acc * micro + summing + (update_start - backward) + device_update + wait + contention
     terms = {
         "forward_backward_s": acc * (profile.forward_s + profile.backward_s),
@@ -494,7 +497,7 @@ def _first_streamed_param(profile: Profile, plan: Plan) -> int:
 
 
 def reserve_for(budget: int) -> int:
-    """VRAM the planner leaves unplanned for the error of its estimate: 3% of the budget, and at
+    """VRAM the planner leaves unplanned for the error of its estimate: 2% of the budget, and at
     least 256 MiB, but never more than a tenth of it."""
     return max(int(RESERVE_FRACTION * budget), min(MIN_RESERVE, budget // 10))
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 
 import torch
 
@@ -19,7 +20,13 @@ from trainstream.streaming import shared_outside
 from trainstream.tuning import Tuning
 
 _GIB = 1 << 30
-FRAGMENTATION_MARGIN = 0.05  # of the usable VRAM, left out of the default budget
+# Left out of the default budget for what torch's allocator holds beyond the allocated bytes: a
+# share of the usable VRAM with fixed-size segments, whose free pieces may fit nothing; with
+# expandable segments a share or a floor, whichever is more, the floor at most a tenth (the 0.95B
+# Llama's budget sweep on an H200 reserved at most 0.63 GB above the planner's expected peak, at
+# caps from 4.5 to 24 GB)
+FRAGMENTATION_MARGIN = 0.05
+EXPANDABLE_MARGIN, EXPANDABLE_MARGIN_FLOOR = 0.02, 512 << 20
 # Weights above this share of the budget (less the planner's reserve) leave too little room for the
 # profiled steps' activations: the last blocks' weights stream from the first step on. (At 0.6 the
 # 0.95B Llama at batch 4x1024 under a 6 GB cap ran out of memory in its profiled loss: the LM head's
@@ -161,10 +168,10 @@ def wrap(
         require_cuda_build()
         index = device.index if device.index is not None else torch.cuda.current_device()
         device = torch.device("cuda", index)
-        if auto and budget is None:
-            budget = default_vram_budget(device)
         if auto:
-            expandable_segments()
+            expandable = expandable_segments()
+            if budget is None:
+                budget = default_vram_budget(device, expandable)
     # under "auto" the budget is the planner's, which decides the activations too
     paging, share, pager_budget = _activation_policy(activations, None if auto else budget, device,
                                                      planned=auto and budget is not None)
@@ -257,10 +264,11 @@ def expandable_segments() -> bool:
     """Turn on expandable segments in torch's caching allocator, unless the user's allocator
     settings name them: near its budget a plan otherwise fails on fragmentation rather than on
     bytes (a 500 MiB logits buffer that no free block fits, with 600 MiB free in pieces). Segments
-    allocated before keep their kind. Returns whether this call turned them on."""
+    allocated before keep their kind. Returns whether new segments are expandable."""
     for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
-        if "expandable_segments" in os.environ.get(name, ""):
-            return False
+        named = re.search(r"expandable_segments:(\w+)", os.environ.get(name, ""))
+        if named:
+            return named.group(1) == "True"
     # (the accelerator's setting where torch has it: the CUDA one warns there that it is deprecated)
     setting = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or \
         getattr(torch.cuda.memory, "_set_allocator_settings", None)
@@ -270,14 +278,21 @@ def expandable_segments() -> bool:
     return True
 
 
-def default_vram_budget(device: torch.device) -> int:
-    """What this process can use on `device` now, less FRAGMENTATION_MARGIN of it: the free memory
+def default_vram_budget(device: torch.device, expandable: bool = False) -> int:
+    """What this process can use on `device` now, less the fragmentation margin: the free memory
     plus what torch's allocator already holds, within the per-process memory fraction."""
     free, total = torch.cuda.mem_get_info(device)
     usable = free + torch.cuda.memory_reserved(device)
     fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda _: 1.0)(device)
     usable = min(usable, int(fraction * total))
-    return int(usable * (1 - FRAGMENTATION_MARGIN))
+    return usable - fragmentation_margin(usable, expandable)
+
+
+def fragmentation_margin(usable: int, expandable: bool) -> int:
+    """What the default budget leaves out of `usable` bytes for the allocator's free pieces."""
+    if expandable:  # (the floor is at most a tenth: a small process has small pieces)
+        return max(int(EXPANDABLE_MARGIN * usable), min(EXPANDABLE_MARGIN_FLOOR, usable // 10))
+    return int(FRAGMENTATION_MARGIN * usable)
 
 
 def _streamed_to_fit(model: torch.nn.Module, blocks: list[torch.nn.Module], budget: int,
