@@ -278,7 +278,7 @@ def expandable_segments() -> bool:
     return True
 
 
-def default_vram_budget(device: torch.device, expandable: bool = False) -> int:
+def default_vram_budget(device: torch.device, expandable: bool) -> int:
     """What this process can use on `device` now, less the fragmentation margin: the free memory
     plus what torch's allocator already holds, within the per-process memory fraction."""
     free, total = torch.cuda.mem_get_info(device)
