@@ -2,7 +2,7 @@
 # Build, test and benchmark on a CUDA machine in one go; logs and JSON land in $1 (default ./gpu-results).
 #   bash benchmarks/gpu_suite.sh [OUTDIR] [STAGES]
 # STAGES: comma list of build,tests,verify,adamw,step,placement,timeline,paging,large,sanitize,
-#         clipping,clipping_planned,spec_timeline,compile,hf,streaming,stream_limit,stream_price,light,contention,distributed
+#         clipping,clipping_planned,planned_timeline,spec_timeline,compile,hf,streaming,stream_limit,stream_price,light,contention,distributed
 #         (default: build,tests,verify,adamw,step)
 set -uo pipefail
 out="${1:-gpu-results}"
@@ -57,6 +57,12 @@ if has clipping_planned; then  # the same under a 16 GB cap with no option but t
   python3 "$repo/benchmarks/train_step.py" --acc 1 --steps 15 --clip 1.0 --vram-cap-gb 16 --modes \
 trainstream+noclip,trainstream+clip1e9,trainstream+noclip,trainstream+clip1e9,trainstream \
     --json "$out/clipping_planned_16gb.json" 2>&1 | grep -A14 "^NVIDIA"
+fi
+if has planned_timeline; then  # no clipping and a norm that never clips, part by part, planned within the budget a 16 GB cap gives
+  for clip in none 1e9; do
+    python3 "$repo/benchmarks/step_timeline.py" --mode trainstream+planned --vram-budget 15.46GB --warmup 5 --steps 4 \
+      $([ "$clip" = none ] || echo --clip "$clip") --json "$out/timeline_planned_clip_$clip.json" 2>&1 | tail -16
+  done
 fi
 if has spec_timeline; then  # where an offloaded step's time goes without clipping and with a norm that never clips
   for clip in none 1e9; do
