@@ -121,7 +121,7 @@ def test_host_updates_slow_the_threads_that_queue_the_gpu_work_beside_them():
     assert everything["device_update_s"] == 0
     assert everything["host_contention_s"] == pytest.approx(planner.HOST_CONTENTION * profile.forward_s)
     # without clipping, from the first gradient's landing on
-    spread = planner.step_seconds(made_up_profile(host_ns=0.25), planner.Plan(resident=0))[1]
+    spread = planner.step_seconds(no_clip, planner.Plan(resident=0))[1]
     assert spread["host_contention_s"] > everything["host_contention_s"]
 
 

@@ -496,10 +496,15 @@ def _first_streamed_param(profile: Profile, plan: Plan) -> int:
     return min(inside, default=len(profile.params))
 
 
+def share_or_floor(total: int, share: float, floor: int) -> int:
+    """`share` of `total`, or `floor` where that is more, but a floor of at most a tenth of `total`."""
+    return max(int(share * total), min(floor, total // 10))
+
+
 def reserve_for(budget: int) -> int:
     """VRAM the planner leaves unplanned for the error of its estimate: 2% of the budget, and at
     least 256 MiB, but never more than a tenth of it."""
-    return max(int(RESERVE_FRACTION * budget), min(MIN_RESERVE, budget // 10))
+    return share_or_floor(budget, RESERVE_FRACTION, MIN_RESERVE)
 
 
 def plan_placement(profile: Profile, budget: int | None) -> Plan:

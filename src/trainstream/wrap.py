@@ -15,7 +15,7 @@ from trainstream.distributed import (DataParallel, Sharded, check_ddp, check_fsd
 from trainstream.errors import (HostMemoryError, UnsupportedSetupError, VramBudgetError, check_compile_mode,
                                 check_not_distributed, check_optimizer, check_weight_dtype)
 from trainstream.optimizer import OffloadedAdamW, resident_at_start, wrapped_by
-from trainstream.placement import last_streamable, reserve_for, weights_on_device
+from trainstream.placement import last_streamable, reserve_for, share_or_floor, weights_on_device
 from trainstream.streaming import shared_outside
 from trainstream.tuning import Tuning
 
@@ -291,7 +291,7 @@ def default_vram_budget(device: torch.device, expandable: bool) -> int:
 def fragmentation_margin(usable: int, expandable: bool) -> int:
     """What the default budget leaves out of `usable` bytes for the allocator's free pieces."""
     if expandable:  # (the floor is at most a tenth: a small process has small pieces)
-        return max(int(EXPANDABLE_MARGIN * usable), min(EXPANDABLE_MARGIN_FLOOR, usable // 10))
+        return share_or_floor(usable, EXPANDABLE_MARGIN, EXPANDABLE_MARGIN_FLOOR)
     return int(FRAGMENTATION_MARGIN * usable)
 
 
