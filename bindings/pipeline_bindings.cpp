@@ -19,7 +19,7 @@ struct HostView {
 
 GradJob make_job(const AdamWHyper& hyper, bool accumulate, bool overwrite, bool from_accumulator, bool norm,
                  bool update, std::uintptr_t device_weight, bool speculate, bool commit,
-                 std::shared_ptr<ClipScale> scale = nullptr) {
+                 std::shared_ptr<ClipScale> scale = nullptr, std::uintptr_t device_term = 0) {
   GradJob job;
   job.scale = std::move(scale);
   job.accumulate = accumulate;
@@ -31,6 +31,7 @@ GradJob make_job(const AdamWHyper& hyper, bool accumulate, bool overwrite, bool 
   job.device_weight = device_weight;
   job.speculate = speculate;
   job.commit = commit;
+  job.device_term = device_term;
   if (update || commit) adamw_coeffs(job.hyper);  // reject bad hyperparameters here, not in the worker
   return job;
 }
@@ -135,15 +136,16 @@ void bind_pipeline(py::module_& m) {
       pipeline, "land_gradient", HyperKeywords::defaulted,
       [](const AdamWHyper& hyper, OffloadPipeline& o, const std::shared_ptr<HostParam>& p, std::uintptr_t grad,
          std::uintptr_t stream, bool accumulate, bool overwrite, bool from_accumulator, bool norm, bool update,
-         std::uintptr_t device_weight, bool speculate) {
-        const GradJob job =
-            make_job(hyper, accumulate, overwrite, from_accumulator, norm, update, device_weight, speculate, false);
+         std::uintptr_t device_weight, bool speculate, std::uintptr_t device_term) {
+        const GradJob job = make_job(hyper, accumulate, overwrite, from_accumulator, norm, update, device_weight,
+                                     speculate, false, nullptr, device_term);
         py::gil_scoped_release release;
         o.land_gradient(p, grad, stream, job);
       },
       py::arg("param"), py::arg("device_grad"), py::arg("stream"), py::kw_only(), py::arg("accumulate") = false,
       py::arg("overwrite") = false, py::arg("from_accumulator") = false, py::arg("norm") = false,
-      py::arg("update") = false, py::arg("device_weight") = 0, py::arg("speculate") = false);
+      py::arg("update") = false, py::arg("device_weight") = 0, py::arg("speculate") = false,
+      py::arg("device_term") = 0);
   def_with_hyper(
       pipeline, "submit", HyperKeywords::defaulted,
       [](const AdamWHyper& hyper, OffloadPipeline& o, const std::shared_ptr<HostParam>& p, bool from_accumulator,

@@ -15,18 +15,21 @@ THRESHOLDS = [1e9, 1e9, 1e-3, 1e-3, 1e9, 1e9, 1e9]
 
 
 def run(*, speculate: bool, acc: int = 1, dtype=torch.float32, placement="offload", in_vram=None,
-        thresholds=THRESHOLDS, device="cpu", engine_waits=True):
+        thresholds=THRESHOLDS, device="cpu", engine_waits=True, hold_terms=True):
     """Trains a few steps with max_grad_norm changed per step; returns losses, norms, weights,
     optimizer state and the optimizer. On CUDA under bf16 autocast (fp32 weights' gradients then
     cross as bf16). `engine_waits=False` has step() read the clip coefficient on the host even
     where every norm is on the device (as it does under DDP); the optimizer's `verdicts` counts the
-    windows whose coefficient the host engine waited for instead."""
+    windows whose coefficient the host engine waited for instead. `hold_terms=False` keeps speculated
+    fp32 terms in host memory until the commit, as a budget without room for them does."""
     torch.manual_seed(0)
     model = TinyLM().to(device, dtype)
     opt = torch.optim.AdamW(param_groups(model), lr=3e-3, betas=(0.9, 0.95))
     model, opt = trainstream.wrap(model, opt, max_grad_norm=thresholds[0], accumulation_steps=acc,
                                   tuning=trainstream.Tuning(placement=placement, accumulate_in_vram=in_vram))
     opt.speculative_clipping = speculate
+    if not hold_terms:
+        opt._hold_terms = False
     opt.verdicts = []
     if engine_waits:
         land = opt._land_verdict
@@ -63,23 +66,28 @@ def assert_same_bits(a, b):
             assert torch.equal(x[k], y[k]), k
 
 
-@pytest.mark.parametrize("acc,dtype,in_vram,placement", [
-    (1, torch.float32, None, "offload"),
-    (4, torch.float32, True, "offload"),
-    (1, torch.bfloat16, None, "offload"),
-    (4, torch.bfloat16, None, "offload"),  # bf16: host sums, which wait for the norm
-    (1, torch.float32, None, 0.5),  # one global norm over resident and offloaded parts
-], ids=["fp32", "fp32-acc4-vram-sums", "bf16", "bf16-acc4-host-sums", "fp32-half-resident"])
+@pytest.mark.parametrize("acc,dtype,in_vram,placement,hold", [
+    (1, torch.float32, None, "offload", True),
+    (1, torch.float32, None, "offload", False),
+    (4, torch.float32, True, "offload", True),
+    (1, torch.bfloat16, None, "offload", True),
+    (4, torch.bfloat16, None, "offload", True),  # bf16: host sums, which wait for the norm
+    (1, torch.float32, None, 0.5, True),  # one global norm over resident and offloaded parts
+], ids=["fp32", "fp32-terms-in-host", "fp32-acc4-vram-sums", "bf16", "bf16-acc4-host-sums", "fp32-half-resident"])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_speculation_gives_the_waiting_paths_bits(acc, dtype, in_vram, placement, device):
+def test_speculation_gives_the_waiting_paths_bits(acc, dtype, in_vram, placement, hold, device):
     waiting = run(speculate=False, acc=acc, dtype=dtype, placement=placement, in_vram=in_vram, device=device)
-    speculating = run(speculate=True, acc=acc, dtype=dtype, placement=placement, in_vram=in_vram, device=device)
+    speculating = run(speculate=True, acc=acc, dtype=dtype, placement=placement, in_vram=in_vram, device=device,
+                      hold_terms=hold)
     assert_same_bits(waiting, speculating)
     spec = speculating[4].report()["speculation"]
     if acc > 1 and dtype == torch.bfloat16:
         assert spec["params"] == 0 and spec["hits"] == 0  # host-summed: nothing to speculate on
         return
     assert spec["params"] > 0 and spec["host_bytes"] > 0
+    # fp32 terms await the verdict in their gradients' memory, unless told otherwise
+    assert (spec["terms_held"] > 0) == (dtype == torch.float32 and hold)
+    assert not speculating[4]._holding  # (synchronize() gave that memory back)
     # steps 1-2 hit, 3 misses (predicted no clip), 4 waits (3 clipped), 5 waits (4 clipped), 6-7 hit
     assert (spec["hits"], spec["misses"], spec["waited"]) == (4, 1, 2)
     assert waiting[4].report()["speculation"]["hits"] == 0
@@ -157,7 +165,8 @@ def test_non_finite_norm_commits_nothing_speculative():
 
 def test_speculation_is_not_used_without_clipping_or_when_switched_off():
     *_, opt = run(speculate=True, thresholds=[None, None])
-    assert opt.report()["speculation"] == {"params": 0, "host_bytes": 0, "hits": 0, "misses": 0, "waited": 0}
+    assert opt.report()["speculation"] == {"params": 0, "host_bytes": 0, "hits": 0, "misses": 0, "waited": 0,
+                                                 "vram_term_bytes": 0, "terms_held": 0}
     *_, opt = run(speculate=False, thresholds=[1e9, 1e9])
     spec = opt.report()["speculation"]
     assert spec["params"] > 0 and spec["hits"] == spec["misses"] == 0

@@ -9,14 +9,6 @@ namespace trainstream {
 
 static_assert(kChunkAlignment % kNormBlock == 0, "a job's chunks must hold whole norm blocks");
 
-namespace {
-
-// Whether a commit that redoes nothing uploads: an fp32 term waits for it, while bf16 weights went
-// up when they were speculated (finish()).
-bool commit_uploads(const HostParam& p) { return p.weight_dtype != DType::bfloat16; }
-
-}  // namespace
-
 OffloadPipeline::OffloadPipeline(std::unique_ptr<Transfer> transfer, std::size_t threads,
                                  std::optional<Isa> isa, std::size_t max_download_bytes,
                                  bool device_accumulate)
@@ -311,6 +303,8 @@ void OffloadPipeline::check_job(const HostParam& p, const GradJob& job) {
              "OffloadPipeline: a commit does nothing but commit (and redo the step, when clipped)");
   TS_EXPECTS(!job.commit || job.update == (job.scale != nullptr),
              "OffloadPipeline: a commit redoes the step only when it waits for a clip coefficient");
+  TS_EXPECTS(!job.device_term || (job.speculate && p.weight_dtype == DType::float32 && job.device_weight),
+             "OffloadPipeline: a device term is for a speculative update of fp32 weights on the device");
 }
 
 void OffloadPipeline::enqueue(const std::shared_ptr<HostParam>& p, const GradJob& job, bool landing, bool packed) {
@@ -331,6 +325,12 @@ void OffloadPipeline::enqueue(const std::shared_ptr<HostParam>& p, const GradJob
     ++in_flight_;
   }
   work_ready_.notify_one();
+}
+
+// An fp32 term waits for the commit in host memory, unless it went up to device memory when it was
+// speculated, as bf16 weights did (finish()).
+bool OffloadPipeline::commit_uploads(const HostParam& p) {
+  return p.weight_dtype != DType::bfloat16 && p.held_term_ == 0;
 }
 
 // Chooses the next job to start: among jobs that are next in line for their parameter and whose
@@ -406,6 +406,10 @@ void OffloadPipeline::start(Task& task) {
       }
       p.sent_bf16_ = p.landing_dtype_ == DType::bfloat16;
     }
+  }
+  if (job.update || job.commit) {  // (jobs of a parameter start in order: its last one has finished)
+    task.held_term = p.held_term_;
+    p.held_term_ = 0;
   }
   task.landed = p.landing_dtype_;
   task.grad = job.from_accumulator ? static_cast<const void*>(p.accumulator) : p.grad;
@@ -488,6 +492,8 @@ void OffloadPipeline::run_chunk(Task& task, std::size_t chunk) {
   if (job.norm) {
     squared_norm_blocks(task.grad, task.grad_dtype, begin, end, p.numel, task.partial.data() + begin / kNormBlock);
   }
+  // An update writes the term buffer that the speculated term may still be going up from.
+  if (job.update && task.held_term) transfer_->wait_upload(*p.slot_);
   if (job.update) engine_.kernel()(task.buffers, task.coeffs, begin, end);
 }
 
@@ -498,7 +504,8 @@ void OffloadPipeline::run_chunk(Task& task, std::size_t chunk) {
 // terms. A speculated bf16 rounding goes up at once, as an update without clipping does: the
 // weights in VRAM are nobody's state (the master is, on the host), and if the verdict clips, the
 // redo uploads the right rounding behind it on the same stream before the next forward reads
-// them. An fp32 term cannot be taken back once applied, so it waits in host memory for the commit.
+// them. An fp32 term cannot be taken back once applied: it waits for the commit in host memory, or
+// in device memory the caller lent (GradJob::device_term), where the commit applies it.
 std::size_t OffloadPipeline::finish(Task& task) {
   if (task.skip) return 0;
   HostParam& p = *task.param;
@@ -517,9 +524,20 @@ std::size_t OffloadPipeline::finish(Task& task) {
   if (task.job.device_weight == 0) return 0;
   void* device = reinterpret_cast<void*>(task.job.device_weight);
   if (task.buffers.term_only) {
-    if (task.job.speculate) return 0;  // (the commit uploads it)
+    const std::size_t bytes = sizeof(float) * p.numel;
+    if (task.job.speculate) {
+      if (task.job.device_term == 0) return 0;  // (the commit uploads it)
+      transfer_->upload(*p.slot_, reinterpret_cast<void*>(task.job.device_term), p.master, bytes);
+      p.held_term_ = task.job.device_term;
+      return bytes;
+    }
+    if (task.held_term && !task.job.update) {  // a commit of a term already in device memory
+      transfer_->apply_update(*p.slot_, static_cast<float*>(device), reinterpret_cast<const float*>(task.held_term),
+                              p.numel, task.coeffs.decay);
+      return 0;
+    }
     transfer_->upload_update(*p.slot_, static_cast<float*>(device), p.master, p.numel, task.coeffs.decay);
-    return sizeof(float) * p.numel;
+    return bytes;
   }
   if (!task.job.update && !commit_uploads(p)) return 0;  // (bf16 weights go up from an update's rounding)
   if (p.weight_dtype == DType::bfloat16) {

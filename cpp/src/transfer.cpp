@@ -13,6 +13,11 @@ void Transfer::upload_update(TransferSlot&, float* device, const float* term, st
   for (std::size_t i = 0; i < numel; ++i) device[i] = device[i] * decay + term[i];
 }
 
+void Transfer::apply_update(TransferSlot& slot, float* device, const float* device_term, std::size_t numel,
+                            float decay) {
+  Transfer::upload_update(slot, device, device_term, numel, decay);  // (both in host memory here)
+}
+
 void Transfer::download_bf16_exact(TransferSlot& slot, void* host, const float* device_grad, std::size_t numel,
                                    std::uint32_t* inexact, std::uintptr_t producer_stream,
                                    std::function<void()> landed) {

@@ -155,6 +155,21 @@ void CudaTransfer::upload_update(TransferSlot& s, float* device, const float* te
   slot.has_upload = true;
 }
 
+void CudaTransfer::apply_update(TransferSlot& s, float* device, const float* device_term, std::size_t numel,
+                                float decay) {
+  auto& slot = static_cast<CudaSlot&>(s);
+  const cudaStream_t stream = as_stream(upload_stream_);
+  DeviceScope on_device(device_);
+  launch_apply_update(device, device_term, numel, decay, stream);
+  TS_CUDA_CHECK(cudaEventRecord(slot.uploaded, stream));
+  slot.has_upload = true;
+}
+
+void CudaTransfer::wait_upload(TransferSlot& s) {
+  auto& slot = static_cast<CudaSlot&>(s);
+  if (slot.has_upload) TS_CUDA_CHECK(cudaEventSynchronize(slot.uploaded));
+}
+
 void CudaTransfer::order_after_upload(TransferSlot& s, std::uintptr_t stream) {
   auto& slot = static_cast<CudaSlot&>(s);
   if (slot.has_upload) TS_CUDA_CHECK(cudaStreamWaitEvent(as_stream(stream), slot.uploaded, 0));

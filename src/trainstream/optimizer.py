@@ -107,6 +107,8 @@ class _Slot:
     peer: bool = False  # another rank updates it (DDP), or this rank's FSDP2 shard of it is empty
     sharded: bool = False  # an FSDP2 parameter: this rank holds and updates one shard of it
     streamed: bool = False  # offloaded, with its weights in host memory between uses (trainstream.streaming)
+    # its last gradient's VRAM, lent to the pipeline for the speculated update term until its commit
+    held_term: torch.Tensor | None = None
 
     @property
     def weight(self) -> torch.Tensor:
@@ -167,8 +169,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self._slots: dict[torch.nn.Parameter, _Slot] = {}
         self._order: list[_Slot] = []  # forward (registration) order
         self._hooks: list = []
-        # module -> its offloaded parameters' HostParams, which its forward pre-hook waits for
-        self._gated: dict[torch.nn.Module, list] = {}
+        # module -> its offloaded parameters' HostParams, which its forward pre-hook waits for, and their slots
+        self._gated: dict[torch.nn.Module, tuple[list, list]] = {}
         self._gates_on = False  # whether the gates wait (an update has been queued since they last settled)
         self._hosts: list = []  # every offloaded parameter's HostParam
         self._uploads_queued = 0  # updates (each ends in an upload) queued so far
@@ -194,7 +196,10 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self._norm_on_device: set = set()  # the slots of the window last_grad_norm reports whose norms they are
         self._speculation_on = True  # speculative_clipping
         self._last_unclipped = True  # the last window's norm did not clip (or there was none): speculate
-        self._speculation = {"params": 0, "host_bytes": 0, "hits": 0, "misses": 0, "waited": 0}
+        self._speculation = {"params": 0, "host_bytes": 0, "hits": 0, "misses": 0, "waited": 0,
+                             "vram_term_bytes": 0, "terms_held": 0}
+        self._hold_terms = False  # speculated fp32 terms go up at once (see _send)
+        self._holding: list[_Slot] = []  # slots whose held_term is set
         self._verdict = None  # the last window's clip verdict on its way from the device, and what it decides
         self._streamer: WeightStreamer | None = None
         self._prefetch_depth = prefetch_depth
@@ -375,10 +380,10 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self._gated = {}
         for unit in self._gate_units:
             inside = unit.parameters() if _compiled(unit) else unit.parameters(recurse=False)
-            own = [self._slots[p].host for p in inside
+            own = [self._slots[p] for p in inside
                    if p in self._slots and self._slots[p].offloaded and not self._slots[p].streamed]
             if own:
-                self._gated[unit] = own
+                self._gated[unit] = ([s.host for s in own], own)
         self._hosts = [s.host for s in self._order if s.offloaded and not s.streamed]
 
     def _speculates(self, slot: _Slot) -> bool:
@@ -410,6 +415,27 @@ class OffloadedAdamW(torch.optim.Optimizer):
             if s.param.dtype == torch.bfloat16:
                 s.next_state["master_param"] = self._host_tensor(s.host, "next_master", s.weight)
         self._speculation["params"] = sum(self._speculates(s) for s in self._order)
+        self._plan_term_holding()
+
+    def _plan_term_holding(self) -> None:
+        """Whether speculated fp32 update terms go up at once, each into its gradient's VRAM, kept
+        from the gradient's arrival until the module's next forward gate: the commit then applies it
+        on the device, and nothing crosses the link after the verdict. It costs up to 4 bytes a
+        speculating parameter of VRAM, so under a budget only where the plan leaves that room; not
+        while profiling (the profile would count it), nor under DDP or FSDP2, whose gradients are
+        theirs."""
+        fp32 = [s for s in self._order if self._speculates(s) and s.param.dtype == torch.float32]
+        need = sum(4 * s.weight.numel() for s in fp32)
+        if not fp32 or not self._pipeline.upload_terms or self._dp is not None or self._shards is not None:
+            room = False
+        elif self.plan is not None:
+            room = self.plan.budget is None or self.plan.expected_peak + need <= self.plan.budget - self.plan.reserve
+        else:
+            room = self._placement != "auto" and self.vram_budget is None
+        self._hold_terms = room
+        self._speculation["vram_term_bytes"] = need if room else 0
+        if not room:
+            self._release_terms(self._holding)
 
     @staticmethod
     def _host_room() -> float:
@@ -455,6 +481,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
                     self._pipeline.load_weights(s.host, s.weight.data_ptr(), self._current_stream())
         self._upload_terms = on
         self._pipeline.upload_terms = on
+        self._plan_term_holding()
         if on:
             self._ensure_staging()
         else:
@@ -503,12 +530,14 @@ class OffloadedAdamW(torch.optim.Optimizer):
             self._forwards += 1
         if self._whole_forward_gate and self._gates_on:
             self._pipeline.gate(self._hosts, self._current_stream())
+            self._release_terms(self._holding)
             self._remove_gates()
         # Once no update is queued and every upload has finished, no module needs to wait for its
         # weights: the gates stand down until the next update is queued (_mark_updated). Within an
         # accumulation window, forwards after the first then make no native call per module.
         self._settle_verdict(wait=False)  # whether the next backward speculates
         if self._gates_on and not self._gate_always and self._pipeline.settled(self._hosts):
+            self._release_terms(self._holding)
             self._remove_gates()
         if self._streamer is not None:
             self._refresh_streamed_masters()
@@ -525,13 +554,16 @@ class OffloadedAdamW(torch.optim.Optimizer):
             nonlocal settled
             if not self._gates_on:  # stood down (e.g. by this forward's _before_forward)
                 return
-            hosts = self._gated.get(module)
-            if not hosts:
+            gated = self._gated.get(module)
+            if not gated:
                 return
+            hosts, slots = gated
             now = (self._uploads_queued, self._current_stream())
             if now != settled or self._gate_always:
                 self._pipeline.gate(hosts, now[1])
                 settled = now
+                if self._holding:
+                    self._release_terms(slots)
         return gate
 
     # ------------------------------------------------------------------- during backward
@@ -637,12 +669,25 @@ class OffloadedAdamW(torch.optim.Optimizer):
         return self.accumulation_steps > 1 and not slot.sum_in_vram and slot.offloaded
 
     def _send(self, slot: _Slot, grad: torch.Tensor, job: dict) -> None:
-        """Hands a gradient to the pipeline (copy out, then `job` on the host) and frees it."""
+        """Hands a gradient to the pipeline (copy out, then `job` on the host) and frees it, or
+        lends its memory to a speculated fp32 update term (_plan_term_holding)."""
         if not grad.is_contiguous():
             grad = grad.contiguous()
+        hold = (job.get("speculate", False) and self._hold_terms and grad.dtype == torch.float32
+                and grad.numel() == slot.weight.numel())
+        if hold:
+            job["device_term"] = grad.data_ptr()
         self._pipeline.land_gradient(slot.host, grad.data_ptr(), self._current_stream(), **job)
         if grad.is_cuda:  # the download stream reads it: keep its memory from reuse until then
             grad.record_stream(self._streams[0])
+            if hold:  # ...and the upload stream writes the term and applies it
+                grad.record_stream(self._streams[1])
+        # (land_gradient waited for this parameter's earlier jobs: a term held before is applied)
+        self._release_terms([slot])
+        if hold:
+            slot.held_term = grad
+            self._holding.append(slot)
+            self._speculation["terms_held"] += 1
         if self._dp is None:  # (DDP's bucket is DDP's: step() clears .grad under DDP)
             slot.param.grad = None
         self._norm_pending = self._track_norm
@@ -658,6 +703,16 @@ class OffloadedAdamW(torch.optim.Optimizer):
                 self._streamer.end_backward()
             if self._profiler is not None and self._profiler.recording:
                 self._profiler.end_backward()
+
+    def _release_terms(self, slots: list) -> None:
+        """Gives back the VRAM lent to terms of these slots, whose jobs have all finished (their
+        applying kernels are queued on the upload stream, which the allocator waits for)."""
+        for s in slots:
+            s.held_term = None
+        if slots is self._holding:
+            self._holding = []
+        elif slots and self._holding:
+            self._holding = [s for s in self._holding if s.held_term is not None]
 
     def _hyper(self, slot: _Slot, grad_scale: float) -> dict:
         group = slot.group
@@ -860,8 +915,10 @@ class OffloadedAdamW(torch.optim.Optimizer):
     @property
     def speculation(self) -> dict:
         """With clipping: offloaded parameters whose updates may start before the global norm is
-        known, host bytes their next-state buffers take, and windows committed (hits), redone
-        (misses) or not speculated because the last norm clipped (waited)."""
+        known, host bytes their next-state buffers take, VRAM their fp32 update terms may hold
+        while they await the verdict (vram_term_bytes, 0 when the terms wait in host memory) and
+        how many terms have done so (terms_held), and windows committed (hits), redone (misses) or
+        not speculated because the last norm clipped (waited)."""
         self._settle_verdict(wait=True)
         return self._speculation
 
@@ -968,6 +1025,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         """Wait for every queued host update and order the current stream after its upload."""
         self._pipeline.synchronize()
         self._pipeline.gate(self._hosts, self._current_stream())
+        self._release_terms(self._holding)
 
     # ------------------------------------------------------------------- placement
     def _placement_window_starts(self, args: tuple, kwargs: dict) -> None:
@@ -1190,8 +1248,10 @@ class OffloadedAdamW(torch.optim.Optimizer):
             lines.append(host)
         if self.max_grad_norm is not None and self.speculation["params"]:
             spec = self.speculation
+            held = (f", up to {spec['vram_term_bytes'] / 1e9:.2f} GB of VRAM for fp32 terms awaiting the verdict"
+                    if spec["vram_term_bytes"] else "")
             lines.append(f"clipping: {spec['params']} offloaded parameters start their update before the global norm "
-                         f"is known ({spec['host_bytes'] / 1e9:.2f} GB of host memory for it); windows committed "
+                         f"is known ({spec['host_bytes'] / 1e9:.2f} GB of host memory for it{held}); windows committed "
                          f"{spec['hits']}, redone {spec['misses']}, waited after a clip {spec['waited']}")
         share = self._distributed_report()
         if share is not None:

@@ -57,6 +57,13 @@ class ManualTransfer : public Transfer {
     uploads.push_back(device);
     ++term_uploads;
   }
+  void apply_update(TransferSlot& slot, float* device, const float* device_term, std::size_t numel,
+                    float decay) override {
+    Transfer::apply_update(slot, device, device_term, numel, decay);
+    std::lock_guard<std::mutex> lock(mu);
+    ++term_applies;
+  }
+  void wait_upload(TransferSlot&) override { ++upload_waits; }
   void order_after_upload(TransferSlot&, std::uintptr_t) override {}
   bool upload_complete(TransferSlot&) override { return uploads_finished; }
 
@@ -95,6 +102,8 @@ class ManualTransfer : public Transfer {
   std::atomic<bool> uploads_finished{true};  // what upload_complete() reports
   std::atomic<int> uploads_entered{0};
   int term_uploads = 0;  // of `uploads`, those that sent an update term
+  int term_applies = 0;  // apply_update calls: terms already in device memory
+  std::atomic<int> upload_waits{0};
   std::atomic<bool> fail_accumulate{false};
   std::atomic<int> accumulations{0};
 
@@ -761,7 +770,8 @@ TS_TEST_MAIN
 
 TEST_CASE("a speculative update commits the waiting path's bits, or is redone from untouched state") {
   const std::size_t n = 9000;  // several chunks and a ragged tail
-  for (DType dtype : {DType::float32, DType::bfloat16}) {
+  // fp32 weights twice: the term waiting in host memory, then held in device memory (device_term)
+  for (auto [dtype, held] : {std::pair{DType::float32, false}, {DType::float32, true}, {DType::bfloat16, false}}) {
     // Rig 0 waits for the clip coefficient; rig 1 speculates with 1 and commits or redoes.
     Rig waiting(std::size_t(1) << 30, true, 3), speculating(std::size_t(1) << 30, true, 3);
     Rig* rigs[2] = {&waiting, &speculating};
@@ -794,9 +804,14 @@ TEST_CASE("a speculative update commits the waiting path's bits, or is redone fr
       spec.device_weight = addr(weights[1].data());
       spec.hyper.grad_scale = 1.0;
       spec.speculate = true;
+      std::vector<float> term(n, -1.f);  // the device memory lent for the term
+      if (held) spec.device_term = addr(term.data());
+      ManualTransfer& t = *speculating.transfer;
+      const int uploads0 = t.term_uploads, applies0 = t.term_applies, waits0 = t.upload_waits;
       speculating.pipeline->land_gradient(params[1], addr(grad.data()), 0, spec);
       speculating.transfer->land_all();
       speculating.pipeline->synchronize();
+      if (held) CHECK(std::memcmp(term.data(), params[1]->master, 4 * n) == 0);  // went up at once
       // Nothing committed yet: the state as it was (the fp32 master holds a term). An fp32 term
       // waits for the commit; bf16 weights went up with the speculated rounding.
       CHECK(std::memcmp(m0.data(), params[1]->exp_avg, 4 * n) == 0);
@@ -813,8 +828,15 @@ TEST_CASE("a speculative update commits the waiting path's bits, or is redone fr
       } else {
         resolve.hyper.grad_scale = scale;  // redone from the untouched state
       }
+      resolve.device_term = 0;
       speculating.pipeline->submit(params[1], resolve);
       speculating.pipeline->synchronize();
+      if (dtype == DType::float32) {
+        // A held term is applied where it lies; a redo waits for its copy, then uploads its own.
+        CHECK(t.term_applies - applies0 == (held && scale == 1.0 ? 1 : 0));
+        CHECK(t.term_uploads - uploads0 == (held && scale == 1.0 ? 0 : 1));
+        CHECK((t.upload_waits > waits0) == (held && scale != 1.0));  // (once a chunk)
+      }
       CHECK(weights[0] == weights[1]);
       CHECK(std::memcmp(params[0]->exp_avg, params[1]->exp_avg, 4 * n) == 0);
       CHECK(std::memcmp(params[0]->exp_avg_sq, params[1]->exp_avg_sq, 4 * n) == 0);

@@ -67,6 +67,9 @@ class HostParam {
   std::atomic<bool> packs_{false};
   std::atomic<bool> sent_bf16_{false};
   bool keeps_weights_ = false;
+  // Where the last speculated fp32 term went up (GradJob::device_term), until a job consumes it:
+  // a commit applies it there, an update waits for its copy before writing the term buffer again.
+  std::uintptr_t held_term_ = 0;
   // What the landing buffer holds, as decided by the job that consumed its last download: later
   // jobs on it (the update queued at step() after a norm) read it the same way. Engine threads only.
   DType landing_dtype_ = DType::float32;
@@ -111,6 +114,11 @@ struct GradJob {
   // step from the untouched state and uploads its own weights behind the speculated ones.
   bool speculate = false;
   bool commit = false;
+  // A speculative fp32 update (upload_terms) whose term need not wait in host memory: it goes up
+  // here at once, device memory of numel floats that the caller keeps until the parameter's next
+  // job has run. A commit that redoes nothing then applies it where it lies, and the link carries
+  // nothing after the verdict; a redo uploads its own term as usual.
+  std::uintptr_t device_term = 0;
   // The clip coefficient as landed from the device: the job waits for it, and it replaces
   // hyper.grad_scale. A commit that carries it is also an update (`update` set): when the
   // coefficient is not 1 (ClipScale::commits), the step is redone from the untouched state into
@@ -241,6 +249,7 @@ class OffloadPipeline {
     std::uint64_t download;  // runs once this many of the parameter's downloads have landed
     bool landing;            // its own download wrote the landing buffer (land_gradient, landing route)
     bool packed;             // ...through download_bf16_exact
+    std::uintptr_t held_term = 0;  // the speculated term this job consumes (HostParam::held_term_)
     std::shared_ptr<const ClipScale> verdict;  // a speculative update: the verdict that decides its fate
     // Set by start():
     std::atomic<bool> skip{false};  // a failure before or during the job: drain it unrun
@@ -254,6 +263,8 @@ class OffloadPipeline {
     std::vector<double> partial;  // squared norm of each norm block (grad_ops.hpp)
   };
   static void check_job(const HostParam& p, const GradJob& job);
+  // Whether a commit that redoes nothing uploads (after the parameter's last job has finished).
+  static bool commit_uploads(const HostParam& p);
   void enqueue(const std::shared_ptr<HostParam>& p, const GradJob& job, bool landing = false, bool packed = false);
   void wait_idle(HostParam& p, std::unique_lock<std::mutex>& lock);
   // Under the mutex: drops what is left of every speculative update not yet dropped, or of those

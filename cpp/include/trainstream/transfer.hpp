@@ -62,6 +62,14 @@ class Transfer {
   // work has run. This default does it on the calling thread, for backends whose "device" memory
   // is host memory.
   virtual void upload_update(TransferSlot& slot, float* device, const float* term, std::size_t numel, float decay);
+  // The same update with a term already in device memory (uploaded earlier with upload()): no copy,
+  // only the kernel, on the upload stream; marks the slot's upload point. This default does it on
+  // the calling thread.
+  virtual void apply_update(TransferSlot& slot, float* device, const float* device_term, std::size_t numel,
+                            float decay);
+  // Block the calling thread until the slot's last upload has finished (its host buffer may be
+  // written again). This default suits backends whose uploads finish before upload() returns.
+  virtual void wait_upload(TransferSlot& /*slot*/) {}
   // Device memory that upload_update may stage terms in (CUDA: it copies a term there, then runs
   // the update kernel, a piece at a time when the term is larger). Unused by this default.
   virtual void set_staging(std::uintptr_t /*device*/, std::size_t /*bytes*/) {}

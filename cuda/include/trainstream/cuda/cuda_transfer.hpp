@@ -44,6 +44,9 @@ class CudaTransfer : public Transfer {
   // (cuda/kernels/apply_update.cu) adds it to the decayed weights, a staging buffer's worth at a
   // time. Calls from several threads are serialised, since they share the staging buffer.
   void upload_update(TransferSlot& slot, float* device, const float* term, std::size_t numel, float decay) override;
+  void apply_update(TransferSlot& slot, float* device, const float* device_term, std::size_t numel,
+                    float decay) override;
+  void wait_upload(TransferSlot& slot) override;
   void set_staging(std::uintptr_t device, std::size_t bytes) override;
   void order_after_upload(TransferSlot& slot, std::uintptr_t stream) override;
   bool upload_complete(TransferSlot& slot) override;
