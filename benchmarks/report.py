@@ -569,6 +569,13 @@ TABLES = {
     "clipping_planned_16gb_before": runs("clipping_planned_16gb_before"),
     "timeline_noclip_15gb": timeline("timeline_noclip_15gb"),
     "clipping_planned_16gb": runs("clipping_planned_16gb"),
+    "timeline_held_clip_none": timeline("timeline_held_clip_none"),
+    "timeline_held_clip_1e9": timeline("timeline_held_clip_1e9"),
+    "clipping_held": runs("clipping_held"),
+    "clipping_held_repeat": runs("clipping_held_repeat"),
+    "clipping_held_wait": runs("clipping_held_wait"),
+    "clipping_every_step": runs("clipping_every_step"),
+    "clipping_bf16_held": runs("clipping_bf16_held"),
 }
 
 # figure -> results file: train_step.py runs drawn as step time and peak VRAM bars

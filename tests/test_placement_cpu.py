@@ -330,7 +330,12 @@ def test_auto_placement_under_a_budget_mixes_and_trains_the_same_bits():
                                     tuning=trainstream.Tuning(placement="offload", track_grad_norm=True))
     assert train(ref, ref_opt, data, 1.0) == norms
     assert_same_bits(model, opt, ref, ref_opt, "auto under a budget")
-    assert "VRAM" in opt.describe()
+    text = opt.describe()
+    assert "VRAM" in text
+    # the profiled steps took host memory for every parameter: per parameter over all of them
+    per_param = opt.report()["host_bytes_used"] / sum(p.numel() for p in trainable)
+    assert f"({per_param:.1f} B a parameter" in text
+    assert f"still held for the {report['resident_params']} parameters now resident" in text
 
 
 @pytest.mark.parametrize("tuning", [{}, dict(light_recompute=True), dict(recompute=False)],

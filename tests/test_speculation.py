@@ -140,6 +140,31 @@ def test_state_dict_after_commits_holds_the_committed_state_and_resumes_identica
         assert torch.equal(a, b)
 
 
+def test_speculation_off_from_wrap_takes_no_host_memory_until_turned_on():
+    torch.manual_seed(0)
+    model = TinyLM()
+    opt = torch.optim.AdamW(param_groups(model), lr=3e-3)
+    model, opt = trainstream.wrap(model, opt, max_grad_norm=1e9, tuning=trainstream.Tuning(
+        placement="offload", speculative_clipping=False))
+    g = torch.Generator().manual_seed(2)
+
+    def steps(n):
+        for _ in range(n):
+            model.loss(torch.randint(0, 97, (4, 17), generator=g)).backward()
+            opt.step()
+            opt.zero_grad()
+        opt.synchronize()
+        return opt.report()["speculation"]
+
+    spec = steps(2)
+    assert (spec["params"], spec["host_bytes"], spec["hits"], spec["waited"]) == (0, 0, 0, 0)
+    assert "start their update before" not in opt.describe()
+    opt.speculative_clipping = True
+    spec = steps(2)
+    assert spec["params"] == len(list(model.parameters())) and spec["host_bytes"] > 0
+    assert spec["hits"] == 2
+
+
 def test_non_finite_norm_commits_nothing_speculative():
     results = []
     for speculate in (False, True):

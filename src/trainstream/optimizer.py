@@ -142,7 +142,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
                  accumulate_in_vram: bool | None = None, placement: str | float = "offload",
                  vram_budget: int | None = None, threads: int = 0, isa: str | None = None,
                  data_parallel=None, sharded=None, streamed: list[torch.nn.Module] | None = None,
-                 prefetch_depth: int = 1) -> None:
+                 prefetch_depth: int = 1, speculative_clipping: bool = True) -> None:
         super().__init__(source.param_groups, source.defaults)
         self.param_groups = source.param_groups  # the very same list: edits show on both sides
         self._pipeline = pipeline
@@ -194,7 +194,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self._grad_norms: GradientNorms | None = None
         self._offload_norms = None  # this window's, pending (trainstream.resident.PendingNorms)
         self._norm_on_device: set = set()  # the slots of the window last_grad_norm reports whose norms they are
-        self._speculation_on = True  # speculative_clipping
+        self._speculation_on = speculative_clipping
         self._last_unclipped = True  # the last window's norm did not clip (or there was none): speculate
         self._speculation = {"params": 0, "host_bytes": 0, "hits": 0, "misses": 0, "waited": 0,
                              "vram_term_bytes": 0, "terms_held": 0}
@@ -397,7 +397,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         """With clipping: next-state buffers for the offloaded parameters, first those whose
         gradients arrive first (they have the most backward to hide behind), as many as host
         memory holds beyond a reserve; the rest wait for the norm."""
-        if self.max_grad_norm is None:
+        if self.max_grad_norm is None or not self._speculation_on:
             return
         room = self._host_room()
         if self.plan is not None and self._profile is not None:  # the plan's paged activations come first
@@ -954,12 +954,16 @@ class OffloadedAdamW(torch.optim.Optimizer):
         coefficient of 1, into a second set of state buffers; step() commits it when the global
         norm does not clip and redoes it from the untouched state when it does (default True).
         The weights and state are the same bits either way; only when the updates run changes.
-        After a window whose norm clipped, the next one waits for the norm instead."""
+        After a window whose norm clipped, the next one waits for the norm instead. Off from
+        wrap() (`Tuning(speculative_clipping=False)`), it takes no host memory; turned off later,
+        the memory it took stays held."""
         return self._speculation_on
 
     @speculative_clipping.setter
     def speculative_clipping(self, on: bool) -> None:
         self._speculation_on = bool(on)
+        if self._speculation_on and (self._placement != "auto" or self.plan is not None):
+            self._enable_speculation()  # (under auto placement the plan enables it)
 
     @property
     def upload_update_terms(self) -> bool:
@@ -1269,7 +1273,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         used, paging = self._pipeline.host_used_bytes, self._paging_slot_bytes()
         if not used and not paging:
             return ""
-        slots = [s for s in self._order if s.offloaded and not s.peer]
+        slots = [s for s in self._order if s.host is not None]
         held = ["fp32 master", "two moments", "a gradient buffer"]
         if any(s.host.has_accumulator for s in slots):
             held.append("an fp32 sum of micro-batches")
@@ -1278,6 +1282,10 @@ class OffloadedAdamW(torch.optim.Optimizer):
         numel = sum(s.weight.numel() for s in slots)
         parts = [f"{format_size(used)} {self._pipeline.host_memory_kind} for the offloaded state"
                  + (f" ({used / numel:.1f} B a parameter: {', '.join(held)})" if numel else "")]
+        # (the profiled steps offload every parameter; the arena keeps what they took)
+        kept = sum(1 for s in slots if s.resident)
+        if kept:
+            parts[0] += f", still held for the {kept} parameters now resident"
         if paging:
             parts.append(f"{format_size(paging)} of slots for paged activations")
         return "host memory: " + ", ".join(parts)  # (speculation's: on the clipping line)

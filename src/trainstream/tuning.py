@@ -45,7 +45,7 @@ class Tuning:
     # which keeps what the matmuls and attention computed and reruns only the cheap ops.
     light_recompute: bool = False
     # With clipping, start offloaded updates before the global norm is known and redo them when it
-    # clips (the same bits as waiting); False waits for the norm.
+    # clips (the same bits as waiting); False waits for the norm and takes no host memory for it.
     speculative_clipping: bool = True
     # Send fp32 gradients that are bf16 values (weight gradients under bf16 autocast) as bf16.
     pack_gradients: bool = True

@@ -208,8 +208,8 @@ def wrap(
         vram_budget=budget if auto else None, threads=tuning.threads, isa=tuning.isa,
         data_parallel=data_parallel, sharded=Sharded(trainable) if sharded else None,
         streamed=streamed, prefetch_depth=tuning.prefetch_depth,
+        speculative_clipping=tuning.speculative_clipping,
     )
-    wrapped.speculative_clipping = tuning.speculative_clipping
     wrapped.pack_gradients = tuning.pack_gradients
     if not tuning.upload_update_terms:
         wrapped.upload_update_terms = False
