@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import trainstream
+from trainstream.optimizer import OffloadedAdamW
 from trainstream.testing import TinyLM, param_groups
 
 # max_grad_norm per step: hits, a mispredicted clip (miss), a wait after it, hits again
@@ -158,11 +159,29 @@ def test_speculation_off_from_wrap_takes_no_host_memory_until_turned_on():
 
     spec = steps(2)
     assert (spec["params"], spec["host_bytes"], spec["hits"], spec["waited"]) == (0, 0, 0, 0)
-    assert "start their update before" not in opt.describe()
+    assert "wait for the global norm (speculative_clipping is off)" in opt.describe()
     opt.speculative_clipping = True
     spec = steps(2)
     assert spec["params"] == len(list(model.parameters())) and spec["host_bytes"] > 0
     assert spec["hits"] == 2
+
+
+def test_with_host_memory_for_some_second_sets_those_speculate_and_the_rest_wait(monkeypatch):
+    """The first gradients to arrive (the last layers) get second state sets while host memory
+    lasts; the others wait for the norm, describe() says how many, and the bits are the waiting
+    path's."""
+    model = TinyLM()
+    last = list(model.parameters())[-3:]  # the first three gradients to arrive
+    room = sum(p.numel() * 8 for p in last)  # fp32 weights: two moments
+    monkeypatch.setattr(OffloadedAdamW, "_host_room", staticmethod(lambda: room))
+    speculating = run(speculate=True)
+    spec = speculating[4].report()["speculation"]
+    total = len(list(model.parameters()))
+    assert 0 < spec["params"] < total and spec["host_bytes"] <= room
+    assert f"the other {total - spec['params']} wait for it" in speculating[4].describe()
+    assert spec["hits"] and spec["misses"]
+    monkeypatch.undo()
+    assert_same_bits(speculating, run(speculate=False))
 
 
 def test_non_finite_norm_commits_nothing_speculative():

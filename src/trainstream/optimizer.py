@@ -962,8 +962,9 @@ class OffloadedAdamW(torch.optim.Optimizer):
     @speculative_clipping.setter
     def speculative_clipping(self, on: bool) -> None:
         self._speculation_on = bool(on)
-        if self._speculation_on and (self._placement != "auto" or self.plan is not None):
-            self._enable_speculation()  # (under auto placement the plan enables it)
+        planned = self._placement != "auto" or self.plan is not None  # (else the plan takes them)
+        if self._speculation_on and not self._speculation["params"] and planned:
+            self._enable_speculation()  # off from wrap(): the second sets are taken now
 
     @property
     def upload_update_terms(self) -> bool:
@@ -1250,13 +1251,9 @@ class OffloadedAdamW(torch.optim.Optimizer):
         host = self._host_memory_line()
         if host:
             lines.append(host)
-        if self.max_grad_norm is not None and self.speculation["params"]:
-            spec = self.speculation
-            held = (f", up to {spec['vram_term_bytes'] / 1e9:.2f} GB of VRAM for fp32 terms awaiting the verdict"
-                    if spec["vram_term_bytes"] else "")
-            lines.append(f"clipping: {spec['params']} offloaded parameters start their update before the global norm "
-                         f"is known ({spec['host_bytes'] / 1e9:.2f} GB of host memory for it{held}); windows committed "
-                         f"{spec['hits']}, redone {spec['misses']}, waited after a clip {spec['waited']}")
+        clipping = self._clipping_line()
+        if clipping:
+            lines.append(clipping)
         share = self._distributed_report()
         if share is not None:
             what = ("parameters; the others' new weights come from their owners" if self._dp is not None else
@@ -1267,6 +1264,24 @@ class OffloadedAdamW(torch.optim.Optimizer):
         if self.activation_pager is not None:
             lines.append(self.activation_pager.describe())
         return "\n".join(lines)
+
+    def _clipping_line(self) -> str:
+        """How many offloaded updates start before the global norm is known, what that holds, and
+        how the windows went; how many wait for the norm."""
+        offloaded = sum(1 for s in self._order if s.offloaded and not s.peer)
+        if self.max_grad_norm is None or not offloaded:
+            return ""
+        spec = self.speculation
+        if not spec["params"]:
+            off = "" if self._speculation_on else " (speculative_clipping is off)"
+            return f"clipping: the updates of all {offloaded} offloaded parameters wait for the global norm{off}"
+        held = (f", up to {spec['vram_term_bytes'] / 1e9:.2f} GB of VRAM for fp32 terms awaiting the verdict"
+                if spec["vram_term_bytes"] else "")
+        rest = offloaded - spec["params"]
+        return (f"clipping: {spec['params']} offloaded parameters start their update before the global norm is known "
+                f"({spec['host_bytes'] / 1e9:.2f} GB of host memory for it{held})"
+                + (f", the other {rest} wait for it" if rest else "")
+                + f"; windows committed {spec['hits']}, redone {spec['misses']}, waited after a clip {spec['waited']}")
 
     def _host_memory_line(self) -> str:
         """Host memory by what it holds, per offloaded parameter for the state ("" if none)."""
