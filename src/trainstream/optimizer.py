@@ -1284,7 +1284,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
                 + f"; windows committed {spec['hits']}, redone {spec['misses']}, waited after a clip {spec['waited']}")
 
     def _host_memory_line(self) -> str:
-        """Host memory by what it holds, per offloaded parameter for the state ("" if none)."""
+        """Host memory by what it holds, per parameter that has host state ("" if none)."""
         used, paging = self._pipeline.host_used_bytes, self._paging_slot_bytes()
         if not used and not paging:
             return ""
