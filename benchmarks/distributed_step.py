@@ -78,6 +78,9 @@ def rank_main(rank: int, world: int, port: int, mode: str, args, out) -> None:
             torch.cuda.set_per_process_memory_fraction(min(1.0, args.vram_cap_gb * 1e9 / total))
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, **({"device_id": torch.device("cuda", rank)} if cuda else {}))
+    # Stock DDP and FSDP2 ranks too: a process group's thread that frees a Python object while the
+    # interpreter finalizes aborts the process, whichever optimizer trained (trainstream.distributed)
+    trainstream.distributed._register_exit_grace()
     try:
         device = torch.device("cuda", rank) if cuda else torch.device("cpu")
         torch.manual_seed(0)
