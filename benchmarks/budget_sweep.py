@@ -23,6 +23,7 @@ import tempfile
 import torch
 
 import train_step
+from report import PEER_NAMES
 
 PEERS = ("gpu-adamw", "gpu-adamw+ckpt", "torchao")
 
@@ -114,8 +115,7 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-PEER_NAMES = {"gpu-adamw": ("PyTorch, fused AdamW", "s"), "gpu-adamw+ckpt": ("PyTorch + checkpointing", "D"),
-              "torchao": ("torchao CPUOffloadOptimizer", "^"), "deepspeed": ("DeepSpeed ZeRO-2 offload", "v")}
+MARKERS = {"gpu-adamw": "s", "gpu-adamw+ckpt": "D", "torchao": "^", "deepspeed": "v"}  # one per peer in PEER_NAMES
 
 
 def plot(rows: list[dict], accs: list[int], path: str) -> None:
@@ -138,8 +138,8 @@ def plot(rows: list[dict], accs: list[int], path: str) -> None:
             ours = sorted((r for r in mine if r["mode"] == mode and "step_s" in r), key=x)
             label = "TrainStream" + mode.removeprefix("trainstream")
             ax.plot([x(r) for r in ours], [r["step_s"] for r in ours], "o-", color=color, label=label, lw=2)
-        for k, (mode, (name, marker)) in enumerate(PEER_NAMES.items()):
-            color = f"C{k + 1}"
+        for k, (mode, name) in enumerate(PEER_NAMES.items()):
+            color, marker = f"C{k + 1}", MARKERS[mode]
             ran = [r for r in mine if r["mode"] == mode and "step_s" in r]
             if ran:
                 ax.scatter([x(r) for r in ran], [r["step_s"] for r in ran], marker=marker, s=60, color=color,

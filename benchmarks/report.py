@@ -52,6 +52,9 @@ LABELS = {
     "deepspeed": "DeepSpeed ZeRO-2, optimizer offloaded",
     "no-optimizer": "no optimizer: forward and backward, each gradient dropped at once",
 }
+# The peers in budget sweeps, as their columns and the sweep's plot name them.
+PEER_NAMES = {"gpu-adamw": "PyTorch, fused AdamW", "gpu-adamw+ckpt": "PyTorch + gradient checkpointing",
+              "torchao": "torchao CPUOffloadOptimizer", "deepspeed": "DeepSpeed ZeRO-2 offload"}
 
 
 # ------------------------------------------------------------------------------ helpers
@@ -121,10 +124,8 @@ def sweep_table(record: dict) -> str:
     """TrainStream with no option but clipping against the peers, one row per VRAM cap."""
     ran = list(dict.fromkeys(r["mode"] for r in record["results"]))
     variants = [(mode, label_of(record, mode)) for mode in ran if mode.startswith("trainstream+")]
-    peers = [(mode, name) for mode, name in [
-        ("trainstream", "TrainStream"), *variants, ("gpu-adamw", "PyTorch, fused AdamW"),
-        ("gpu-adamw+ckpt", "PyTorch + gradient checkpointing"), ("torchao", "torchao CPUOffloadOptimizer"),
-        ("deepspeed", "DeepSpeed ZeRO-2 offload")] if mode in ran]  # (a peer the run left out: no column)
+    peers = [(mode, name) for mode, name in [("trainstream", "TrainStream"), *variants, *PEER_NAMES.items()]
+             if mode in ran]  # (a peer the run left out: no column)
     caps = []
     for r in record["results"]:
         if r["cap_GB"] not in caps:

@@ -368,6 +368,9 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=1,
                     help="run the list of modes this many times, one round after another, and print each "
                          "mode's median: runs of one mode in one process spread by several percent")
+    ap.add_argument("--alternate", action="store_true",
+                    help="with --rounds: every other round runs the modes in reverse order (A B, B A, A B...), "
+                         "so that no mode always runs first or always after the same one")
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)
     args = ap.parse_args(argv)
@@ -380,7 +383,8 @@ def main(argv=None) -> int:
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.vram_cap_gb * 1e9 / total))
     results = []
-    for mode in args.modes.split(",") * args.rounds:
+    modes = args.modes.split(",")
+    for mode in [m for r in range(args.rounds) for m in (modes[::-1] if args.alternate and r % 2 else modes)]:
         try:
             results.append(run_mode(mode, args))
         except ImportError as exc:
