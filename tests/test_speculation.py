@@ -214,3 +214,29 @@ def test_speculation_is_not_used_without_clipping_or_when_switched_off():
     *_, opt = run(speculate=False, thresholds=[1e9, 1e9])
     spec = opt.report()["speculation"]
     assert spec["params"] > 0 and spec["hits"] == spec["misses"] == 0
+
+
+def test_a_verdict_that_lands_during_forward_decides_whether_backward_speculates():
+    torch.manual_seed(0)
+    model = TinyLM()
+    opt = torch.optim.AdamW(param_groups(model), lr=3e-3)
+    model, opt = trainstream.wrap(model, opt, max_grad_norm=1e-3, tuning=trainstream.Tuning(placement="offload"))
+    tokens = torch.randint(0, 97, (4, 17), generator=torch.Generator().manual_seed(2))
+    model.loss(tokens).backward()
+    opt.step()  # speculated, and clipped
+    opt.zero_grad()
+    opt.synchronize()
+    assert opt.report()["speculation"]["misses"] == 1
+    # As on a GPU whose verdict download finishes after the next forward has begun: not landed at
+    # forward, landed by the first gradient of backward.
+    verdict = type("Verdict", (), {"landed": False, "commits": False})()
+    opt._verdict, opt._last_unclipped = (verdict, True, True), True
+    loss = model.loss(tokens)
+    assert opt._verdict is not None  # forward found it still on its way
+    verdict.landed = True
+    loss.backward()
+    assert opt._verdict is None and not any(s.speculated for s in opt._order)
+    opt.step()
+    opt.zero_grad()
+    spec = opt.report()["speculation"]
+    assert spec["misses"] == 2 and spec["waited"] == 1  # (the stand-in verdict counted as the second miss)

@@ -582,6 +582,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
         if task not in self._backward_tasks:
             self._backward_tasks.add(task)
             torch.autograd.Variable._execution_engine.queue_callback(lambda: self._on_backward_end(task))
+            # whether this backward speculates: the last window's verdict may have landed since forward began
+            self._settle_verdict(wait=False)
         if self._micro >= self.accumulation_steps:
             raise TrainingLoopError(
                 f"accumulation_steps={self.accumulation_steps} backward passes have run since the "
