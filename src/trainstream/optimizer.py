@@ -684,8 +684,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
             grad.record_stream(self._streams[0])
             if hold:  # ...and the upload stream writes the term and applies it
                 grad.record_stream(self._streams[1])
-        # (land_gradient waited for this parameter's earlier jobs: a term held before is applied)
-        self._release_terms([slot])
+        if slot.held_term is not None:  # (land_gradient waited for this parameter's earlier jobs: it is applied)
+            self._release_terms([slot])
         if hold:
             slot.held_term = grad
             self._holding.append(slot)
