@@ -36,6 +36,15 @@ GradJob make_job(const AdamWHyper& hyper, bool accumulate, bool overwrite, bool 
   return job;
 }
 
+// A hyperparameter dict as OffloadedAdamW keeps it for a speculated update: the keywords of
+// def_with_hyper, every one present.
+AdamWHyper hyper_from(const py::dict& d) {
+  return AdamWHyper{d["lr"].cast<double>(),           d["beta1"].cast<double>(),
+                    d["beta2"].cast<double>(),        d["eps"].cast<double>(),
+                    d["weight_decay"].cast<double>(), d["step"].cast<std::int64_t>(),
+                    d["grad_scale"].cast<double>(),   d["maximize"].cast<bool>()};
+}
+
 std::vector<HostParam*> raw_pointers(const std::vector<std::shared_ptr<HostParam>>& params) {
   std::vector<HostParam*> raw;
   raw.reserve(params.size());
@@ -159,6 +168,27 @@ void bind_pipeline(py::module_& m) {
       py::arg("update") = false, py::arg("device_weight") = 0, py::arg("speculate") = false,
       py::arg("commit") = false, py::arg("scale") = py::none());
   pipeline
+      .def("submit_commits",
+           [](OffloadPipeline& o, const std::vector<std::shared_ptr<HostParam>>& params,
+              const std::vector<std::uintptr_t>& device_weights, const std::vector<py::dict>& hypers,
+              const py::object& scale) {
+             if (device_weights.size() != params.size() || hypers.size() != params.size()) {
+               throw py::value_error("submit_commits: one device weight and one hyperparameter dict per parameter");
+             }
+             auto verdict = scale.is_none() ? nullptr : scale.cast<std::shared_ptr<ClipScale>>();
+             std::vector<GradJob> jobs;
+             jobs.reserve(params.size());
+             for (std::size_t k = 0; k < params.size(); ++k) {
+               jobs.push_back(make_job(hyper_from(hypers[k]), false, false, false, false, verdict != nullptr,
+                                       device_weights[k], false, true, verdict));
+             }
+             py::gil_scoped_release release;
+             o.submit(params, jobs);
+           },
+           py::arg("params"), py::arg("device_weights"), py::arg("hypers"), py::arg("scale") = py::none(),
+           "Queues the commits of these parameters' speculative updates at once, each with the "
+           "hyperparameters (dict: lr, beta1, beta2, eps, weight_decay, step, grad_scale, maximize) it "
+           "ran with; with `scale`, a verdict still on its way, each first redoes its step if that clips.")
       .def("enable_speculation", [](OffloadPipeline& o, HostParam& p) {
              py::gil_scoped_release release;
              return o.enable_speculation(p);

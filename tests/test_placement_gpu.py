@@ -22,9 +22,9 @@ HYPER = dict(lr=3e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=3,
 
 
 def sizes() -> list[int]:
-    # edges of the kernels' chunks (8192) and norm blocks (4096, 32 lanes), and more tensors than
-    # one launch takes (32)
-    fixed = [1, 5, 31, 32, 33, 4095, 4096, 4097, 8191, 8192, 8193, 100_003, 1 << 20]
+    # edges of the kernels' chunks (8192) and norm blocks (4096, 32 lanes), a tensor's partials in
+    # whole and partial sets of 32, and more tensors than one launch takes (32)
+    fixed = [1, 5, 31, 32, 33, 4095, 4096, 4097, 8191, 8192, 8193, 100_003, (41 << 12) + 7, 1 << 20]
     g = torch.Generator().manual_seed(3)
     return fixed + torch.randint(1, 50_000, (30,), generator=g).tolist()
 

@@ -167,6 +167,21 @@ void OffloadPipeline::land_gradient(const std::shared_ptr<HostParam>& p, std::ui
 
 void OffloadPipeline::submit(const std::shared_ptr<HostParam>& p, const GradJob& job) { enqueue(p, job); }
 
+void OffloadPipeline::submit(const std::vector<std::shared_ptr<HostParam>>& params, const std::vector<GradJob>& jobs) {
+  TS_EXPECTS(params.size() == jobs.size(), "OffloadPipeline: one job per parameter");
+  for (std::size_t k = 0; k < params.size(); ++k) {
+    TS_EXPECTS(params[k] != nullptr, "OffloadPipeline: no parameter");
+    check_job(*params[k], jobs[k]);  // all before any is queued
+  }
+  if (params.empty()) return;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    rethrow_locked();
+    for (std::size_t k = 0; k < params.size(); ++k) enqueue_locked(params[k], jobs[k], false, false);
+  }
+  work_ready_.notify_all();
+}
+
 std::size_t OffloadPipeline::speculation_bytes(std::size_t numel, DType weight_dtype) {
   std::size_t bytes = 2 * HostArena::rounded(4 * numel);
   if (weight_dtype == DType::bfloat16) bytes += HostArena::rounded(4 * numel) + HostArena::rounded(2 * numel);
@@ -312,19 +327,24 @@ void OffloadPipeline::enqueue(const std::shared_ptr<HostParam>& p, const GradJob
   {
     std::lock_guard<std::mutex> lock(mutex_);
     rethrow_locked();
-    // The job runs after every download of this parameter issued so far has landed: its own
-    // gradient, and device accumulations that queued no job of their own.
-    auto task = std::make_unique<Task>();
-    task->param = p;
-    task->job = job;
-    task->seq = ++p->queued_;
-    task->download = p->downloads_;
-    task->landing = landing;
-    task->packed = packed;
-    queue_.push_back(std::move(task));
-    ++in_flight_;
+    enqueue_locked(p, job, landing, packed);
   }
   work_ready_.notify_one();
+}
+
+void OffloadPipeline::enqueue_locked(const std::shared_ptr<HostParam>& p, const GradJob& job, bool landing,
+                                     bool packed) {
+  // The job runs after every download of this parameter issued so far has landed: its own
+  // gradient, and device accumulations that queued no job of their own.
+  auto task = std::make_unique<Task>();
+  task->param = p;
+  task->job = job;
+  task->seq = ++p->queued_;
+  task->download = p->downloads_;
+  task->landing = landing;
+  task->packed = packed;
+  queue_.push_back(std::move(task));
+  ++in_flight_;
 }
 
 // An fp32 term waits for the commit in host memory, unless it went up to device memory when it was

@@ -126,15 +126,24 @@ __global__ void __launch_bounds__(kThreads) norm_blocks_kernel(const NormBatch b
   if (lane == 0) partials[index] = s;
 }
 
-// One thread per tensor: its block partials added in order.
+// One warp per tensor: its block partials added in order, as the host adds them. The lanes load
+// 32 partials at a time, the next 32 on their way while these are added, and every lane adds them
+// in order from the lanes' registers: one memory round trip per 32 partials rather than one per
+// partial (a single thread adding a large tensor's thousands of partials took milliseconds, on the
+// stream that backward runs on).
 __global__ void norm_sum_kernel(const NormBatch batch, const double* __restrict__ partials, double* __restrict__ out) {
-  const int k = blockIdx.x * blockDim.x + threadIdx.x;
-  if (k >= batch.count) return;
+  const int k = blockIdx.x;
+  const unsigned lane = threadIdx.x;
+  const unsigned long long first = batch.first_block[k], last = batch.first_block[k + 1];
   double total = 0;
-  for (unsigned long long b = batch.first_block[k]; b < batch.first_block[k + 1]; ++b) {
-    total = __dadd_rn(total, partials[b]);
+  double next = first + lane < last ? partials[first + lane] : 0.0;
+  for (unsigned long long base = first; base < last; base += 32) {
+    const double here = next;
+    if (base + 32 + lane < last) next = partials[base + 32 + lane];
+    const unsigned n = static_cast<unsigned>(min(32ull, last - base));  // (the same in every lane)
+    for (unsigned j = 0; j < n; ++j) total = __dadd_rn(total, __shfl_sync(0xffffffffu, here, j));
   }
-  out[k] = total;
+  if (lane == 0) out[k] = total;
 }
 
 // The clip coefficient from per-tensor squared norms, as OffloadedAdamW computes it on the host:
@@ -218,7 +227,7 @@ void launch_squared_norms(int device, const void* const* grads, const DType* dty
     const unsigned int grid = static_cast<unsigned int>((blocks + kWarps - 1) / kWarps);
     norm_blocks_kernel<<<grid, kThreads, 0, stream>>>(batch, scratch);
     TS_CUDA_CHECK(cudaGetLastError());
-    norm_sum_kernel<<<1, kBatch, 0, stream>>>(batch, scratch, out + start);
+    norm_sum_kernel<<<batch.count, 32, 0, stream>>>(batch, scratch, out + start);
     TS_CUDA_CHECK(cudaGetLastError());
     scratch += blocks;
   }

@@ -447,14 +447,16 @@ class OffloadedAdamW(torch.optim.Optimizer):
         """Host memory the pager's slots already hold (reused for every step's paged activations)."""
         return self._pager._native.stats()["reserved_bytes"] if self._pager is not None else 0
 
-    def _commit(self, slot: _Slot, verdict=None) -> None:
-        """Queues the commit of a speculative update (with the hyperparameters it ran with: the
-        decay the upload applies); the state's views follow the swap. With a `verdict` still on its
-        way, the engine redoes the step into the next-state buffers first if it clips."""
-        self._pipeline.submit(slot.host, commit=True, update=verdict is not None, scale=verdict,
-                              device_weight=slot.weight.data_ptr(), **slot.speculated)
-        for key, view in slot.next_state.items():
-            slot.next_state[key], slot.state[key] = slot.state[key], view
+    def _commit(self, slots: list[_Slot], verdict=None) -> None:
+        """Queues the commits of these speculative updates, at once (with the hyperparameters each
+        ran with: the decay the upload applies); the state's views follow the swap. With a
+        `verdict` still on its way, the engine redoes a step into the next-state buffers first if
+        it clips."""
+        self._pipeline.submit_commits([s.host for s in slots], [s.weight.data_ptr() for s in slots],
+                                      [s.speculated for s in slots], scale=verdict)
+        for slot in slots:
+            for key, view in slot.next_state.items():
+                slot.next_state[key], slot.state[key] = slot.state[key], view
 
     def _ensure_staging(self) -> None:
         """The VRAM buffer that offloaded fp32 parameters' update terms cross through, sized for
@@ -810,6 +812,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
                 self._resolve_speculation(pending, unclipped)
             else:
                 self._expect_verdict(pending, verdict)
+            commits = []
             for s in pending:
                 if s.resident:
                     continue
@@ -820,11 +823,13 @@ class OffloadedAdamW(torch.optim.Optimizer):
                 # no clip (known here, or judged by the engine when the verdict lands)
                 speculated = s.speculated == self._hyper(s, grad_scale=1.0) and self._speculates(s)
                 if speculated and (verdict is not None or unclipped):
-                    self._commit(s, verdict)
+                    commits.append(s)
                 else:
                     self._pipeline.submit(s.host, from_accumulator=self._sums_on_host(s), scale=verdict,
                                           **self._update_args(s, grad_scale=scale))
                 self._mark_updated(s)
+            if commits:
+                self._commit(commits, verdict)
             self._update_resident(resident, scale, device_scale)
         if self._dp is not None and self._arrival:
             self._share_updates(self._arrival)

@@ -163,6 +163,9 @@ class OffloadPipeline {
   // Queues a job on what has already landed or been accumulated (e.g. the update at step()); it
   // runs after every download of this parameter issued so far has landed.
   void submit(const std::shared_ptr<HostParam>& p, const GradJob& job);
+  // The same for several parameters, queued under one lock and with one wake-up (a window's
+  // commits at step(), while every engine thread is taking chunks under that lock).
+  void submit(const std::vector<std::shared_ptr<HostParam>>& params, const std::vector<GradJob>& jobs);
 
   // Gives the parameter its next-state buffers (GradJob::speculate), once; returns the host bytes
   // they took (0 if it had them). The moments and master are pageable memory, touched here so
@@ -266,6 +269,7 @@ class OffloadPipeline {
   // Whether a commit that redoes nothing uploads (after the parameter's last job has finished).
   static bool commit_uploads(const HostParam& p);
   void enqueue(const std::shared_ptr<HostParam>& p, const GradJob& job, bool landing = false, bool packed = false);
+  void enqueue_locked(const std::shared_ptr<HostParam>& p, const GradJob& job, bool landing, bool packed);
   void wait_idle(HostParam& p, std::unique_lock<std::mutex>& lock);
   // Under the mutex: drops what is left of every speculative update not yet dropped, or of those
   // `verdict` decides (null: all); returns how many.
