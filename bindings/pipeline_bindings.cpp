@@ -1,5 +1,7 @@
 #include <pybind11/stl.h>
 
+#include <string>
+
 #include "common.hpp"
 #include "trainstream/offload_pipeline.hpp"
 
@@ -36,13 +38,34 @@ GradJob make_job(const AdamWHyper& hyper, bool accumulate, bool overwrite, bool 
   return job;
 }
 
-// A hyperparameter dict as OffloadedAdamW keeps it for a speculated update: the keywords of
-// def_with_hyper, every one present.
-AdamWHyper hyper_from(const py::dict& d) {
-  return AdamWHyper{d["lr"].cast<double>(),           d["beta1"].cast<double>(),
-                    d["beta2"].cast<double>(),        d["eps"].cast<double>(),
-                    d["weight_decay"].cast<double>(), d["step"].cast<std::int64_t>(),
-                    d["grad_scale"].cast<double>(),   d["maximize"].cast<bool>()};
+// A job given as a dict of submit()'s keywords (hyperparameters included), with their defaults.
+GradJob job_from(const py::dict& d) {
+  AdamWHyper hyper{0.0, 0.9, 0.999, 1e-8, 0.0, 1, 1.0, false};  // (HyperKeywords::defaulted)
+  bool from_accumulator = false, norm = false, update = false, speculate = false, commit = false;
+  std::uintptr_t device_weight = 0;
+  std::shared_ptr<ClipScale> scale;
+  for (const auto& item : d) {
+    const auto key = item.first.cast<std::string>();
+    const py::handle value = item.second;
+    if (key == "lr") hyper.lr = value.cast<double>();
+    else if (key == "beta1") hyper.beta1 = value.cast<double>();
+    else if (key == "beta2") hyper.beta2 = value.cast<double>();
+    else if (key == "eps") hyper.eps = value.cast<double>();
+    else if (key == "weight_decay") hyper.weight_decay = value.cast<double>();
+    else if (key == "step") hyper.step = value.cast<std::int64_t>();
+    else if (key == "grad_scale") hyper.grad_scale = value.cast<double>();
+    else if (key == "maximize") hyper.maximize = value.cast<bool>();
+    else if (key == "from_accumulator") from_accumulator = value.cast<bool>();
+    else if (key == "norm") norm = value.cast<bool>();
+    else if (key == "update") update = value.cast<bool>();
+    else if (key == "device_weight") device_weight = value.cast<std::uintptr_t>();
+    else if (key == "speculate") speculate = value.cast<bool>();
+    else if (key == "commit") commit = value.cast<bool>();
+    else if (key == "scale") scale = value.is_none() ? nullptr : value.cast<std::shared_ptr<ClipScale>>();
+    else throw py::type_error("submit_many: unknown job keyword '" + key + "'");
+  }
+  return make_job(hyper, false, false, from_accumulator, norm, update, device_weight, speculate, commit,
+                  std::move(scale));
 }
 
 std::vector<HostParam*> raw_pointers(const std::vector<std::shared_ptr<HostParam>>& params) {
@@ -168,27 +191,19 @@ void bind_pipeline(py::module_& m) {
       py::arg("update") = false, py::arg("device_weight") = 0, py::arg("speculate") = false,
       py::arg("commit") = false, py::arg("scale") = py::none());
   pipeline
-      .def("submit_commits",
+      .def("submit_many",
            [](OffloadPipeline& o, const std::vector<std::shared_ptr<HostParam>>& params,
-              const std::vector<std::uintptr_t>& device_weights, const std::vector<py::dict>& hypers,
-              const py::object& scale) {
-             if (device_weights.size() != params.size() || hypers.size() != params.size()) {
-               throw py::value_error("submit_commits: one device weight and one hyperparameter dict per parameter");
-             }
-             auto verdict = scale.is_none() ? nullptr : scale.cast<std::shared_ptr<ClipScale>>();
-             std::vector<GradJob> jobs;
-             jobs.reserve(params.size());
-             for (std::size_t k = 0; k < params.size(); ++k) {
-               jobs.push_back(make_job(hyper_from(hypers[k]), false, false, false, false, verdict != nullptr,
-                                       device_weights[k], false, true, verdict));
-             }
+              const std::vector<py::dict>& jobs) {
+             if (jobs.size() != params.size()) throw py::value_error("submit_many: one job per parameter");
+             std::vector<GradJob> built;
+             built.reserve(jobs.size());
+             for (const auto& job : jobs) built.push_back(job_from(job));
              py::gil_scoped_release release;
-             o.submit(params, jobs);
+             o.submit(params, built);
            },
-           py::arg("params"), py::arg("device_weights"), py::arg("hypers"), py::arg("scale") = py::none(),
-           "Queues the commits of these parameters' speculative updates at once, each with the "
-           "hyperparameters (dict: lr, beta1, beta2, eps, weight_decay, step, grad_scale, maximize) it "
-           "ran with; with `scale`, a verdict still on its way, each first redoes its step if that clips.")
+           py::arg("params"), py::arg("jobs"),
+           "submit() for several parameters at once, each job a dict of submit()'s keywords: queued "
+           "under one lock, with one wake-up.")
       .def("enable_speculation", [](OffloadPipeline& o, HostParam& p) {
              py::gil_scoped_release release;
              return o.enable_speculation(p);

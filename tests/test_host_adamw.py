@@ -444,6 +444,20 @@ def test_native_hyperparameters_are_the_same_keywords_for_the_engine_and_the_pip
     pipeline.synchronize()
     assert torch.equal(device, param) and not torch.equal(device, weight)
 
+    # submit_many: the same keywords as dicts, several parameters queued at once
+    many = [pipeline.add_param(n, "float32", False) for _ in range(3)]
+    devices = [weight.clone() for _ in many]
+    for h, d in zip(many, devices):
+        pipeline.load_weights(h, d.data_ptr())
+        pipeline.land_gradient(h, grad.data_ptr(), 0)
+    pipeline.submit_many(many, [dict(update=True, device_weight=d.data_ptr(), **hyper) for d in devices])
+    pipeline.synchronize()
+    assert all(torch.equal(d, param) for d in devices)
+    with pytest.raises(TypeError, match="'learning_rate'"):
+        pipeline.submit_many(many[:1], [dict(update=True, learning_rate=1e-3)])
+    with pytest.raises(ValueError, match="one job per parameter"):
+        pipeline.submit_many(many, [dict(norm=True)])
+
 
 @pytest.mark.gpu
 def test_cuda_tensors_are_rejected(engine):

@@ -447,16 +447,15 @@ class OffloadedAdamW(torch.optim.Optimizer):
         """Host memory the pager's slots already hold (reused for every step's paged activations)."""
         return self._pager._native.stats()["reserved_bytes"] if self._pager is not None else 0
 
-    def _commit(self, slots: list[_Slot], verdict=None) -> None:
-        """Queues the commits of these speculative updates, at once (with the hyperparameters each
-        ran with: the decay the upload applies); the state's views follow the swap. With a
-        `verdict` still on its way, the engine redoes a step into the next-state buffers first if
-        it clips."""
-        self._pipeline.submit_commits([s.host for s in slots], [s.weight.data_ptr() for s in slots],
-                                      [s.speculated for s in slots], scale=verdict)
-        for slot in slots:
-            for key, view in slot.next_state.items():
-                slot.next_state[key], slot.state[key] = slot.state[key], view
+    @staticmethod
+    def _commit(slot: _Slot, verdict=None) -> dict:
+        """The job that commits a speculative update (with the hyperparameters it ran with: the
+        decay the upload applies); the state's views follow the swap. With a `verdict` still on its
+        way, the engine redoes the step into the next-state buffers first if it clips."""
+        for key, view in slot.next_state.items():
+            slot.next_state[key], slot.state[key] = slot.state[key], view
+        return dict(commit=True, update=verdict is not None, scale=verdict, device_weight=slot.weight.data_ptr(),
+                    **slot.speculated)
 
     def _ensure_staging(self) -> None:
         """The VRAM buffer that offloaded fp32 parameters' update terms cross through, sized for
@@ -654,10 +653,11 @@ class OffloadedAdamW(torch.optim.Optimizer):
         if device_norm:
             self._measure_on_device(slot, grad)
         if update_now:
-            job.update(self._update_args(slot, grad_scale=1.0), speculate=speculate)
+            hyper = self._hyper(slot, grad_scale=1.0)
+            job.update(self._update_args(slot, hyper), speculate=speculate)
         self._send(slot, grad, job)
         if speculate:
-            slot.speculated = self._hyper(slot, grad_scale=1.0)
+            slot.speculated = hyper
         elif update_now:
             self._mark_updated(slot)
 
@@ -727,10 +727,10 @@ class OffloadedAdamW(torch.optim.Optimizer):
             grad_scale=grad_scale, maximize=bool(group.get("maximize", False)),
         )
 
-    def _update_args(self, slot: _Slot, grad_scale: float) -> dict:
+    def _update_args(self, slot: _Slot, hyper: dict) -> dict:
         # (a streamed parameter's update writes its weights in host memory, where they stay)
         device = 0 if slot.streamed else slot.weight.data_ptr()
-        return dict(update=True, device_weight=device, **self._hyper(slot, grad_scale))
+        return dict(update=True, device_weight=device, **hyper)
 
     def _mark_updated(self, slot: _Slot) -> None:
         if slot.offloaded:
@@ -812,7 +812,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
                 self._resolve_speculation(pending, unclipped)
             else:
                 self._expect_verdict(pending, verdict)
-            commits = []
+            jobs = {}  # queued at once: the engine's threads take the pipeline's lock for every chunk
             for s in pending:
                 if s.resident:
                     continue
@@ -823,13 +823,13 @@ class OffloadedAdamW(torch.optim.Optimizer):
                 # no clip (known here, or judged by the engine when the verdict lands)
                 speculated = s.speculated == self._hyper(s, grad_scale=1.0) and self._speculates(s)
                 if speculated and (verdict is not None or unclipped):
-                    commits.append(s)
+                    jobs[s.host] = self._commit(s, verdict)
                 else:
-                    self._pipeline.submit(s.host, from_accumulator=self._sums_on_host(s), scale=verdict,
-                                          **self._update_args(s, grad_scale=scale))
+                    jobs[s.host] = dict(from_accumulator=self._sums_on_host(s), scale=verdict,
+                                        **self._update_args(s, self._hyper(s, grad_scale=scale)))
                 self._mark_updated(s)
-            if commits:
-                self._commit(commits, verdict)
+            if jobs:
+                self._pipeline.submit_many(list(jobs), list(jobs.values()))
             self._update_resident(resident, scale, device_scale)
         if self._dp is not None and self._arrival:
             self._share_updates(self._arrival)
