@@ -513,6 +513,22 @@ def timeline(name: str):
     return render
 
 
+def host_overhead(name: str):
+    """A host_overhead.py comparison: each build's runs, the host time of each phase by mode."""
+    def render(results: Path) -> str:
+        record = load(results, name)
+        builds = list(dict.fromkeys(r["build"] for r in record["runs"]))
+        rows = []
+        for build in builds:
+            mine = [r["rows"] for r in record["runs"] if r["build"] == build]
+            for k, row in enumerate(mine[0]):
+                rows.append([build, row["mode"]] + [" and ".join(f"{run[k][f'{phase}_ms']:.2f}" for run in mine)
+                                                    for phase in ("forward", "backward", "step")])
+        table = markdown_table(["build", "mode", "forward (ms)", "backward (ms)", "step() (ms)"], rows)
+        return "\n\n".join([table, caption([("", record)])])
+    return render
+
+
 def recorded_table(name: str):
     """A NAME.json with "columns" and "rows": a comparison recorded as it was published."""
     def render(results: Path) -> str:
@@ -576,6 +592,16 @@ TABLES = {
     "clipping_held_repeat": runs("clipping_held_repeat"),
     "clipping_held_wait": runs("clipping_held_wait"),
     "clipping_every_step": runs("clipping_every_step"),
+    "clipping_every_alternating": runs("clipping_every_alternating"),
+    "clipping_never_alternating": runs("clipping_never_alternating"),
+    "clipping_regimes": runs("clipping_regimes"),
+    "clipping_never_six_rounds": runs("clipping_never_six_rounds"),
+    "timeline_norms_clip_none": timeline("timeline_norms_clip_none"),
+    "timeline_norms_clip_1e9_before": timeline("timeline_norms_clip_1e9_before"),
+    "timeline_norms_clip_1e9_after": timeline("timeline_norms_clip_1e9_after"),
+    "clipping_regimes_warp_norms": runs("clipping_regimes_warp_norms"),
+    "clipping_never_warp_norms": runs("clipping_never_warp_norms"),
+    "host_overhead_cpu": host_overhead("host_overhead_cpu"),
     "clipping_bf16_held": runs("clipping_bf16_held"),
 }
 
