@@ -164,7 +164,7 @@ class OffloadPipeline {
   // runs after every download of this parameter issued so far has landed.
   void submit(const std::shared_ptr<HostParam>& p, const GradJob& job);
   // The same for several parameters, queued under one lock and with one wake-up (a window's
-  // commits at step(), while every engine thread is taking chunks under that lock).
+  // updates and commits at step(), while every engine thread is taking chunks under that lock).
   void submit(const std::vector<std::shared_ptr<HostParam>>& params, const std::vector<GradJob>& jobs);
 
   // Gives the parameter its next-state buffers (GradJob::speculate), once; returns the host bytes
