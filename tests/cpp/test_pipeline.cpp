@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cstring>
 #include <mutex>
+#include <stdexcept>
 #include <thread>
 #include <vector>
 
@@ -178,6 +179,50 @@ TEST_CASE("updates run in forward (priority) order once their gradients have lan
     CHECK(rig.transfer->uploads[3] == weights[0].data());  // priority 2
   }
   CHECK(weights[0][0] < 1.0f);  // AdamW moved the weights against the gradient
+}
+
+TEST_CASE("jobs submitted together give what they give one at a time; a bad one queues none") {
+  const std::size_t n = 1000;
+  std::vector<float> grad(n);
+  for (std::size_t i = 0; i < n; ++i) grad[i] = std::sin(0.29f * i);
+  std::vector<std::vector<float>> weights;  // three parameters in each of two rigs
+  Rig one, together;
+  std::vector<std::shared_ptr<HostParam>> singles, batch;
+  std::vector<GradJob> jobs;
+  for (int k = 0; k < 6; ++k) {
+    Rig& rig = k < 3 ? one : together;
+    weights.emplace_back(n, 0.5f + 0.1f * (k % 3));
+    auto p = rig.pipeline->add_param(n, DType::float32, false, k % 3);
+    const auto w = reinterpret_cast<std::uintptr_t>(weights.back().data());
+    rig.pipeline->load_weights(*p, w, 0);
+    rig.pipeline->land_gradient(p, reinterpret_cast<std::uintptr_t>(grad.data()), 0, GradJob{});
+    GradJob job = update_job(w);
+    job.hyper.step = 1 + k % 3;
+    (k < 3 ? singles : batch).push_back(p);
+    if (k < 3) {
+      one.pipeline->submit(p, job);
+    } else {
+      jobs.push_back(job);
+    }
+  }
+  one.transfer->land_all();
+  together.transfer->land_all();
+  together.pipeline->submit(batch, jobs);
+  one.pipeline->synchronize();
+  together.pipeline->synchronize();
+  for (int k = 0; k < 3; ++k) {
+    CHECK(std::memcmp(weights[k].data(), weights[k + 3].data(), 4 * n) == 0);
+    CHECK(std::memcmp(singles[k]->exp_avg_sq, batch[k]->exp_avg_sq, 4 * n) == 0);
+  }
+
+  const std::vector<float> before = weights[3];
+  GradJob commit = jobs[1];  // a commit, but no next-state buffers to commit from
+  commit.update = false;
+  commit.commit = true;
+  CHECK_THROWS_AS(together.pipeline->submit(batch, {jobs[0], commit, jobs[2]}), std::invalid_argument);
+  CHECK_THROWS_AS(together.pipeline->submit(batch, {jobs[0]}), std::invalid_argument);
+  together.pipeline->synchronize();
+  CHECK(std::memcmp(before.data(), weights[3].data(), 4 * n) == 0);  // nothing ran
 }
 
 TEST_CASE("the update matches HostAdamW on the same buffers") {
