@@ -152,7 +152,8 @@ def run_mode(mode: str, args) -> dict:
     # engine on 12 threads instead of every CPU, '+master' keeps fp32 masters on the host and
     # uploads them instead of update terms, '+light' offers the planner light recompute
     # (Tuning(light_recompute=True)), '+pin' starts the host engine's threads on every CPU but the
-    # first and keeps this thread, which queues the GPU's work, alone on that one.
+    # first and keeps this thread, which queues the GPU's work, alone on that one; '+niceN' runs
+    # the host engine's threads N nicer than the threads that launch the GPU's work.
     # '+waitclip' makes clipped host updates wait for the global norm instead of speculating.
     # '+ckpt' or '+save_on_cpu' may come with one of TrainStream's variants: 'trainstream+ckpt+auto'.
     # On any mode: '+compile' compiles the model (torch.compile, default mode) before the optimizer
@@ -160,12 +161,13 @@ def run_mode(mode: str, args) -> dict:
     # replace --clip for that mode. '+streamN' streams the weights of the last N blocks
     # (Tuning(streamed_blocks=N)).
     threads = next((int(e[1:]) for e in extras if re.fullmatch(r"t\d+", e)), 0)
+    nice = next((int(e[4:]) for e in extras if re.fullmatch(r"nice\d+", e)), 0)
     streams = [int(e[6:]) for e in extras if re.fullmatch(r"stream\d+", e)]
     clips = [e for e in extras if e == "noclip" or re.fullmatch(r"clip[0-9.e+-]+", e)]
     clip = args.clip if not clips else None if clips[0] == "noclip" else float(clips[0][4:])
     compiling = [e for e in extras if e in ("compile", "compileafter")]
     knobs = {e for e in extras if e in ("fp32grads", "everygate", "pageonly", "master", "offload", "waitclip", "light",
-                                        "pin", f"t{threads}", *clips, *compiling, *(f"stream{n}" for n in streams))}
+                                        "pin", f"t{threads}", f"nice{nice}", *clips, *compiling, *(f"stream{n}" for n in streams))}
     keeping = [e for e in extras if e in ("ckpt", "save_on_cpu")]
     variants = [e for e in extras if e not in knobs and e not in keeping]
     if len(variants) > 1 or len(keeping) > 1:
@@ -199,8 +201,12 @@ def run_mode(mode: str, args) -> dict:
         pin = "pin" in knobs and len(CPUS) > 1
         if pin:  # threads inherit their creator's CPUs: the engine's get all but the first
             os.sched_setaffinity(0, CPUS[1:])
+        before = baselines.thread_names()
         model, opt = trainstream.wrap(model, opt, accumulation_steps=args.acc, max_grad_norm=clip,
                                       tuning=trainstream.Tuning(**tuning), **options)
+        if nice:  # the threads that launch the GPU's work then take a core whenever they wake
+            for task in baselines.engine_threads_since(before, opt.report()["threads"]):
+                os.setpriority(os.PRIO_PROCESS, task, nice)
         if pin:
             os.sched_setaffinity(0, CPUS[:1])
         setup_s = time.perf_counter() - t0

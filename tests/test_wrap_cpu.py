@@ -7,13 +7,14 @@ from __future__ import annotations
 import copy
 import gc
 import io
+import os
 import weakref
 
 import pytest
 import torch
 
 import trainstream
-from trainstream._testing import gate_every_forward
+from trainstream._testing import engine_threads_since, gate_every_forward, thread_names
 from trainstream.testing import TinyLM, param_groups, warmup_cosine
 
 STEPS = 20
@@ -227,6 +228,15 @@ def test_gradients_hooks_capture_and_release():
     assert report["trainable_params"] == sum(p.numel() for p in model.parameters())
     assert report["host_memory_kind"] == "pageable"
     assert report["host_bytes_per_param"] >= 16
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="thread names are read from Linux's /proc")
+def test_the_engine_threads_carry_names_that_tools_show():
+    before = thread_names()
+    model, opt = make()
+    model, opt = trainstream.wrap(model, opt, tuning=trainstream.Tuning(placement="offload", threads=2))
+    started = engine_threads_since(before, count=2)
+    assert list(started.values()).count("ts-engine") == opt.report()["threads"] == 2
 
 
 @pytest.mark.parametrize("kwargs", [

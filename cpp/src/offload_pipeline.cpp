@@ -4,6 +4,7 @@
 
 #include "trainstream/errors.hpp"
 #include "trainstream/grad_ops.hpp"
+#include "trainstream/thread_pool.hpp"
 
 namespace trainstream {
 
@@ -569,6 +570,7 @@ std::size_t OffloadPipeline::finish(Task& task) {
 }
 
 void OffloadPipeline::worker_loop() {
+  name_this_thread("ts-engine");
   try {
     transfer_->bind_thread();  // before any other call: picking a job may query an upload's event
   } catch (...) {

@@ -1,5 +1,6 @@
 #include "trainstream/thread_pool.hpp"
 
+#include <pthread.h>
 #include <sched.h>
 
 namespace trainstream {
@@ -12,6 +13,14 @@ std::size_t available_cpus() {
   }
   const unsigned hw = std::thread::hardware_concurrency();
   return hw ? hw : 1;
+}
+
+void name_this_thread(const char* name) {
+#ifdef __linux__
+  pthread_setname_np(pthread_self(), name);  // (a name too long is refused: ours are short)
+#else
+  (void)name;
+#endif
 }
 
 ThreadPool::ThreadPool(std::size_t threads) {
@@ -53,6 +62,7 @@ void ThreadPool::run_tasks() {
 }
 
 void ThreadPool::worker_loop() {
+  name_this_thread("ts-pool");
   std::size_t seen = 0;
   for (;;) {
     {

@@ -3,6 +3,9 @@ rather than by setting private attributes of the optimizer. Not part of the publ
 
 from __future__ import annotations
 
+import os
+import time
+
 import torch
 
 from trainstream.optimizer import OffloadedAdamW
@@ -30,3 +33,29 @@ def stage_update_terms(optimizer: OffloadedAdamW, floats: int) -> None:
     staging.record_stream(optimizer._streams[1])  # freed only after the uploads using it
     optimizer._pipeline.set_upload_staging(staging.data_ptr(), staging.nbytes)
     optimizer._staging = staging
+
+
+def thread_names() -> dict[int, str]:
+    """This process's threads by id, with their names (Linux, from /proc; empty elsewhere). The
+    host engine's are named ts-engine (the offload pipeline's) and ts-pool."""
+    names = {}
+    if not os.path.isdir("/proc/self/task"):
+        return names
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                names[int(task)] = f.read().strip()
+        except FileNotFoundError:  # (a thread that ended meanwhile)
+            pass
+    return names
+
+
+def engine_threads_since(before: dict[int, str], count: int, timeout: float = 10.0) -> dict[int, str]:
+    """The host engine's threads started since `before` (a thread_names()), once `count` of them
+    are named ts-engine (a thread names itself when it first runs) or at the timeout."""
+    deadline = time.monotonic() + timeout
+    while True:
+        new = {t: n for t, n in thread_names().items() if t not in before and n in ("ts-engine", "ts-pool")}
+        if sum(n == "ts-engine" for n in new.values()) >= count or time.monotonic() > deadline:
+            return new
+        time.sleep(0.01)

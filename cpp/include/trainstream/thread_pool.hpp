@@ -16,6 +16,10 @@ namespace trainstream {
 // CPUs this process may run on (sched_getaffinity), at least 1.
 std::size_t available_cpus();
 
+// Names the calling thread (Linux: at most 15 characters, as top, perf and gdb show it; elsewhere
+// nothing): the pool's threads are "ts-pool", the offload pipeline's engine threads "ts-engine".
+void name_this_thread(const char* name);
+
 class ThreadPool {
  public:
   // `threads` counts the caller too: ThreadPool(1) runs everything on the calling thread.
