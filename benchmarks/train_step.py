@@ -201,7 +201,7 @@ def run_mode(mode: str, args) -> dict:
         pin = "pin" in knobs and len(CPUS) > 1
         if pin:  # threads inherit their creator's CPUs: the engine's get all but the first
             os.sched_setaffinity(0, CPUS[1:])
-        before = baselines.thread_names()
+        before = baselines.thread_names() if nice else {}
         model, opt = trainstream.wrap(model, opt, accumulation_steps=args.acc, max_grad_norm=clip,
                                       tuning=trainstream.Tuning(**tuning), **options)
         if nice:  # the threads that launch the GPU's work then take a core whenever they wake

@@ -22,9 +22,11 @@ namespace py = pybind11;
 // weight_decay, step, grad_scale = 1.0 and maximize = False.
 enum class HyperKeywords {
   required,  // lr .. step have no default: calls that always update
-  defaulted,  // lr = 0, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0, step = 1: jobs
-              // that may update nothing, where the hyperparameters then go unread
+  defaulted,  // kDefaultedHyper: jobs that may update nothing, where the hyperparameters then go unread
 };
+
+// The defaults of HyperKeywords::defaulted (and of a job given as a dict, submit_many).
+inline constexpr AdamWHyper kDefaultedHyper{0.0, 0.9, 0.999, 1e-8, 0.0, 1, 1.0, false};
 
 namespace detail {
 
@@ -63,9 +65,10 @@ Target& def_with_hyper(Target& target, const char* name, HyperKeywords keywords,
                       py::arg("eps"), py::arg("weight_decay"), py::arg("step"), py::arg("grad_scale") = 1.0,
                       py::arg("maximize") = false);
   }
-  return target.def(name, std::move(bound), extra..., py::arg("lr") = 0.0, py::arg("beta1") = 0.9,
-                    py::arg("beta2") = 0.999, py::arg("eps") = 1e-8, py::arg("weight_decay") = 0.0,
-                    py::arg("step") = 1, py::arg("grad_scale") = 1.0, py::arg("maximize") = false);
+  constexpr AdamWHyper d = kDefaultedHyper;
+  return target.def(name, std::move(bound), extra..., py::arg("lr") = d.lr, py::arg("beta1") = d.beta1,
+                    py::arg("beta2") = d.beta2, py::arg("eps") = d.eps, py::arg("weight_decay") = d.weight_decay,
+                    py::arg("step") = d.step, py::arg("grad_scale") = d.grad_scale, py::arg("maximize") = d.maximize);
 }
 
 DType parse_dtype(const std::string& name);

@@ -40,7 +40,7 @@ GradJob make_job(const AdamWHyper& hyper, bool accumulate, bool overwrite, bool 
 
 // A job given as a dict of submit()'s keywords (hyperparameters included), with their defaults.
 GradJob job_from(const py::dict& d) {
-  AdamWHyper hyper{0.0, 0.9, 0.999, 1e-8, 0.0, 1, 1.0, false};  // (HyperKeywords::defaulted)
+  AdamWHyper hyper = kDefaultedHyper;
   bool from_accumulator = false, norm = false, update = false, speculate = false, commit = false;
   std::uintptr_t device_weight = 0;
   std::shared_ptr<ClipScale> scale;
