@@ -153,7 +153,8 @@ def run_mode(mode: str, args) -> dict:
     # uploads them instead of update terms, '+light' offers the planner light recompute
     # (Tuning(light_recompute=True)), '+pin' starts the host engine's threads on every CPU but the
     # first and keeps this thread, which queues the GPU's work, alone on that one; '+niceN' runs
-    # the host engine's threads N nicer than the threads that launch the GPU's work.
+    # the host engine's threads N nicer than this thread (Tuning(engine_niceness=N); '+nice0' is
+    # the baseline for the default, 5).
     # '+waitclip' makes clipped host updates wait for the global norm instead of speculating.
     # '+ckpt' or '+save_on_cpu' may come with one of TrainStream's variants: 'trainstream+ckpt+auto'.
     # On any mode: '+compile' compiles the model (torch.compile, default mode) before the optimizer
@@ -161,7 +162,7 @@ def run_mode(mode: str, args) -> dict:
     # replace --clip for that mode. '+streamN' streams the weights of the last N blocks
     # (Tuning(streamed_blocks=N)).
     threads = next((int(e[1:]) for e in extras if re.fullmatch(r"t\d+", e)), 0)
-    nice = next((int(e[4:]) for e in extras if re.fullmatch(r"nice\d+", e)), 0)
+    nice = next((int(e[4:]) for e in extras if re.fullmatch(r"nice\d+", e)), None)
     streams = [int(e[6:]) for e in extras if re.fullmatch(r"stream\d+", e)]
     clips = [e for e in extras if e == "noclip" or re.fullmatch(r"clip[0-9.e+-]+", e)]
     clip = args.clip if not clips else None if clips[0] == "noclip" else float(clips[0][4:])
@@ -190,6 +191,8 @@ def run_mode(mode: str, args) -> dict:
         tuning = dict(recompute="pageonly" not in knobs, threads=threads, pack_gradients="fp32grads" not in knobs,
                       upload_update_terms="master" not in knobs, speculative_clipping="waitclip" not in knobs,
                       streamed_blocks=streams[0] if streams else None, light_recompute="light" in knobs)
+        if nice is not None:
+            tuning.update(engine_niceness=nice)
         if variant or "offload" in knobs:
             options = paging_options(variant, args)
             tuning.update(placement="offload", accumulate_in_vram=variant == "vramacc",
@@ -201,12 +204,8 @@ def run_mode(mode: str, args) -> dict:
         pin = "pin" in knobs and len(CPUS) > 1
         if pin:  # threads inherit their creator's CPUs: the engine's get all but the first
             os.sched_setaffinity(0, CPUS[1:])
-        before = baselines.thread_names() if nice else {}
         model, opt = trainstream.wrap(model, opt, accumulation_steps=args.acc, max_grad_norm=clip,
                                       tuning=trainstream.Tuning(**tuning), **options)
-        if nice:  # the threads that launch the GPU's work then take a core whenever they wake
-            for task in baselines.engine_threads_since(before, opt.report()["threads"]):
-                os.setpriority(os.PRIO_PROCESS, task, nice)
         if pin:
             os.sched_setaffinity(0, CPUS[:1])
         setup_s = time.perf_counter() - t0

@@ -125,6 +125,7 @@ void bind_pipeline(py::module_& m) {
   pipeline
       .def_property_readonly("isa", [](OffloadPipeline& o) { return std::string(isa_name(o.engine().isa())); })
       .def_property_readonly("threads", [](OffloadPipeline& o) { return o.engine().threads(); })
+      .def_property_readonly("niceness", &OffloadPipeline::niceness)
       .def_property_readonly("on_device", [](OffloadPipeline& o) { return o.transfer().is_device(); })
       .def_property_readonly("host_memory_kind", [](OffloadPipeline& o) { return std::string(o.transfer().arena().kind()); })
       .def_property_readonly("host_reserved_bytes", [](OffloadPipeline& o) { return o.transfer().arena().reserved_bytes(); })
@@ -252,13 +253,14 @@ void bind_pipeline(py::module_& m) {
            });
 
   m.def("host_pipeline", [](std::size_t threads, const std::optional<std::string>& isa,
-                            std::size_t max_download_bytes, bool device_accumulate) {
+                            std::size_t max_download_bytes, bool device_accumulate, int niceness) {
     return std::make_unique<OffloadPipeline>(std::make_unique<HostTransfer>(), threads, parse_optional_isa(isa),
-                                             max_download_bytes, device_accumulate);
+                                             max_download_bytes, device_accumulate, niceness);
   }, py::arg("threads") = 0, py::arg("isa") = py::none(), py::arg("max_download_bytes") = std::size_t(512) << 20,
-     py::kw_only(), py::arg("device_accumulate") = true,
+     py::kw_only(), py::arg("device_accumulate") = true, py::arg("niceness") = 0,
      "An offload pipeline whose 'device' is host memory (CPU mode); device_accumulate adds micro-batch "
-     "gradients on the calling thread, as the CUDA build does on the GPU.");
+     "gradients on the calling thread, as the CUDA build does on the GPU. Its engine threads run "
+     "`niceness` nicer than the calling thread.");
   m.def("host_memory_available", &host_memory_available, "MemAvailable in bytes (0 if unknown).");
 }
 

@@ -8,6 +8,7 @@ import copy
 import gc
 import io
 import os
+import threading
 import weakref
 
 import pytest
@@ -231,12 +232,28 @@ def test_gradients_hooks_capture_and_release():
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="thread names are read from Linux's /proc")
-def test_the_engine_threads_carry_names_that_tools_show():
+@pytest.mark.parametrize("niceness", [None, 0, 19])
+def test_the_engine_threads_carry_names_that_tools_show_and_run_nicer(niceness):
+    """The engine's threads yield to the thread that launches the GPU's work (Tuning's default:
+    5 nicer), which keeps its own priority."""
     before = thread_names()
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    tuning = dict(engine_niceness=niceness) if niceness is not None else {}
     model, opt = make()
-    model, opt = trainstream.wrap(model, opt, tuning=trainstream.Tuning(placement="offload", threads=2))
+    model, opt = trainstream.wrap(model, opt, tuning=trainstream.Tuning(placement="offload", threads=2, **tuning))
     started = engine_threads_since(before, count=2)
-    assert list(started.values()).count("ts-engine") == opt.report()["threads"] == 2
+    engine = [t for t, name in started.items() if name == "ts-engine"]
+    assert len(engine) == opt.report()["threads"] == 2
+    expected = 5 if niceness is None else niceness
+    assert opt.report()["engine_niceness"] == expected
+    assert [os.getpriority(os.PRIO_PROCESS, t) for t in engine] == [min(mine + expected, 19)] * 2
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine
+
+
+@pytest.mark.parametrize("niceness", [-1, 20, True, 2.0])
+def test_an_engine_niceness_out_of_range_is_refused(niceness):
+    with pytest.raises(ValueError, match="engine_niceness must be an integer from 0 to 19"):
+        trainstream.Tuning(engine_niceness=niceness)
 
 
 @pytest.mark.parametrize("kwargs", [

@@ -12,11 +12,12 @@ static_assert(kChunkAlignment % kNormBlock == 0, "a job's chunks must hold whole
 
 OffloadPipeline::OffloadPipeline(std::unique_ptr<Transfer> transfer, std::size_t threads,
                                  std::optional<Isa> isa, std::size_t max_download_bytes,
-                                 bool device_accumulate)
+                                 bool device_accumulate, int niceness)
     : transfer_(std::move(transfer)),
       engine_(threads, isa),
       max_download_bytes_(max_download_bytes),
-      device_accumulate_(device_accumulate) {
+      device_accumulate_(device_accumulate),
+      niceness_(niceness) {
   TS_EXPECTS(transfer_ != nullptr, "OffloadPipeline: no transfer backend");
   try {
     for (std::size_t i = 0; i < engine_.threads(); ++i) workers_.emplace_back([this] { worker_loop(); });
@@ -570,7 +571,8 @@ std::size_t OffloadPipeline::finish(Task& task) {
 }
 
 void OffloadPipeline::worker_loop() {
-  name_this_thread("ts-engine");
+  lower_this_thread_priority(niceness_);
+  name_this_thread("ts-engine");  // (after: a thread found by its name has its priority)
   try {
     transfer_->bind_thread();  // before any other call: picking a job may query an upload's event
   } catch (...) {

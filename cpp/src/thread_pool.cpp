@@ -2,6 +2,12 @@
 
 #include <pthread.h>
 #include <sched.h>
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
 
 namespace trainstream {
 
@@ -20,6 +26,20 @@ void name_this_thread(const char* name) {
   pthread_setname_np(pthread_self(), name);  // (a name too long is refused: ours are short)
 #else
   (void)name;
+#endif
+}
+
+void lower_this_thread_priority(int by) {
+#ifdef __linux__
+  if (by <= 0) return;
+  // (on Linux a nice value belongs to a thread, addressed by its id)
+  const auto self = static_cast<id_t>(syscall(SYS_gettid));
+  errno = 0;
+  const int now = getpriority(PRIO_PROCESS, self);
+  if (errno != 0) return;
+  setpriority(PRIO_PROCESS, self, std::min(now + by, 19));
+#else
+  (void)by;
 #endif
 }
 

@@ -1411,6 +1411,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
             "host_bytes_per_param": self._pipeline.host_used_bytes / max(numel, 1),
             "isa": self._pipeline.isa,
             "threads": self._pipeline.threads,
+            "engine_niceness": self._pipeline.niceness,  # how much nicer than the training loop they run
             "accumulation_steps": self.accumulation_steps,
             "max_grad_norm": self.max_grad_norm,
             "last_grad_norm": self.last_grad_norm,

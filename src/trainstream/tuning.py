@@ -31,6 +31,10 @@ class Tuning:
     track_grad_norm: bool = False
     # Host threads for AdamW: 0 is every CPU this process may use.
     threads: int = 0
+    # How much nicer (Linux nice values, 0 to 19) the host engine's threads run than the thread
+    # that calls wrap(): when they keep every core busy, the thread that launches the GPU's work
+    # and runs the gradient hooks still gets one as soon as it wakes. 0 runs them alike.
+    engine_niceness: int = 5
     # Force the host kernel: "avx512", "avx2" or "scalar" (default: $TRAINSTREAM_ISA, else the best).
     isa: str | None = None
     # Gradient bytes that may wait in VRAM for their copy to the host; a gradient hook beyond that
@@ -67,6 +71,9 @@ class Tuning:
         if self.streamed_blocks is not None and (isinstance(self.streamed_blocks, bool)
                                                  or not isinstance(self.streamed_blocks, int) or self.streamed_blocks < 0):
             raise ValueError(f"streamed_blocks must be None or an integer >= 0, got {self.streamed_blocks!r}")
+        if isinstance(self.engine_niceness, bool) or not isinstance(self.engine_niceness, int) \
+                or not 0 <= self.engine_niceness <= 19:
+            raise ValueError(f"engine_niceness must be an integer from 0 to 19, got {self.engine_niceness!r}")
         for name in ("threads", "max_grad_bytes_in_flight", "prefetch_depth"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "prefetch_depth" else 0):

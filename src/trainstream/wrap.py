@@ -181,10 +181,11 @@ def wrap(
         # must get SMs while backward keeps the GPU busy.
         streams = (torch.cuda.Stream(device, priority=-100), torch.cuda.Stream(device))
         pipeline = _C.cuda_pipeline(device.index, streams[0].cuda_stream, streams[1].cuda_stream, tuning.threads,
-                                    tuning.isa, tuning.max_grad_bytes_in_flight)
+                                    tuning.isa, tuning.max_grad_bytes_in_flight, niceness=tuning.engine_niceness)
     else:
         streams = None
-        pipeline = _C.host_pipeline(tuning.threads, tuning.isa, tuning.max_grad_bytes_in_flight)
+        pipeline = _C.host_pipeline(tuning.threads, tuning.isa, tuning.max_grad_bytes_in_flight,
+                                    niceness=tuning.engine_niceness)
 
     pager = None
     if paging:

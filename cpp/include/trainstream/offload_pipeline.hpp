@@ -133,8 +133,11 @@ class OffloadPipeline {
   // `device_accumulate`: fold micro-batch gradients into the accumulator with
   // Transfer::accumulate_download (on the GPU, in the CUDA build) instead of copying them to the
   // landing buffer and adding them on the host; see land_gradient.
+  // `niceness`: how much nicer than their creator the engine threads run
+  // (lower_this_thread_priority).
   OffloadPipeline(std::unique_ptr<Transfer> transfer, std::size_t threads, std::optional<Isa> isa,
-                  std::size_t max_download_bytes = std::size_t(512) << 20, bool device_accumulate = true);
+                  std::size_t max_download_bytes = std::size_t(512) << 20, bool device_accumulate = true,
+                  int niceness = 0);
   ~OffloadPipeline();
   OffloadPipeline(const OffloadPipeline&) = delete;
   OffloadPipeline& operator=(const OffloadPipeline&) = delete;
@@ -213,6 +216,7 @@ class OffloadPipeline {
   void synchronize();
 
   HostAdamW& engine() { return engine_; }
+  int niceness() const { return niceness_; }
   Transfer& transfer() { return *transfer_; }
   bool device_accumulate() const { return device_accumulate_; }
   // Safe at any time: each gradient takes one path, and either path orders itself after the other.
@@ -290,6 +294,7 @@ class OffloadPipeline {
   HostAdamW engine_;
   std::size_t max_download_bytes_;
   std::atomic<bool> device_accumulate_;
+  const int niceness_;
   std::atomic<bool> pack_gradients_{true};
   std::atomic<bool> upload_terms_{false};
   std::atomic<std::size_t> upload_window_{std::size_t(256) << 20};  // about 5 ms of PCIe Gen5

@@ -20,6 +20,12 @@ std::size_t available_cpus();
 // nothing): the pool's threads are "ts-pool", the offload pipeline's engine threads "ts-engine".
 void name_this_thread(const char* name);
 
+// Makes the calling thread `by` nicer than it is (Linux: its own nice value, clamped to 19;
+// elsewhere nothing). The offload pipeline's engine threads run this way so that the thread that
+// launches the GPU's work, and runs the gradient hooks, gets a core whenever it wakes. Raising a
+// nice value needs no privilege; a refusal leaves the thread as it was.
+void lower_this_thread_priority(int by);
+
 class ThreadPool {
  public:
   // `threads` counts the caller too: ThreadPool(1) runs everything on the calling thread.
