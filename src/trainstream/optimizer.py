@@ -628,7 +628,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
             return
         if slot.peer:  # another rank updates it; every rank measures it, for the same global norm
             if last and self._track_norm:
-                self._measure_on_device(slot, grad)
+                self._measure_on_device(slot, grad, self._current_stream())
             return
         weight = slot.weight
         if weight._version != slot.version and not slot.streamed:  # the weights were changed behind our back
@@ -650,38 +650,40 @@ class OffloadedAdamW(torch.optim.Optimizer):
             from_accumulator=host_sum,
             norm=last and self._track_norm and not device_norm,
         )
+        stream = self._current_stream()  # (backward's: the norm and the copy are ordered after it)
         if device_norm:
-            self._measure_on_device(slot, grad)
+            self._measure_on_device(slot, grad, stream)
         if update_now:
             hyper = self._hyper(slot, grad_scale=1.0)
             job.update(self._update_args(slot, hyper), speculate=speculate)
-        self._send(slot, grad, job)
+        self._send(slot, grad, job, stream)
         if speculate:
             slot.speculated = hyper
         elif update_now:
             self._mark_updated(slot)
 
-    def _measure_on_device(self, slot: _Slot, grad: torch.Tensor) -> None:
+    def _measure_on_device(self, slot: _Slot, grad: torch.Tensor, stream: int) -> None:
         if self._grad_norms is None:  # the first clipped window (max_grad_norm may be set later)
             self._grad_norms = GradientNorms(self._device, len(self._order), self._resident)
         if grad.numel():  # (an empty FSDP2 shard's slot stays 0)
-            self._grad_norms.add(slot.index, grad)
+            self._grad_norms.add(slot.index, grad, stream)
         slot.norm_on_device = True
         self._norm_pending = True
 
     def _sums_on_host(self, slot: _Slot) -> bool:
         return self.accumulation_steps > 1 and not slot.sum_in_vram and slot.offloaded
 
-    def _send(self, slot: _Slot, grad: torch.Tensor, job: dict) -> None:
-        """Hands a gradient to the pipeline (copy out, then `job` on the host) and frees it, or
-        lends its memory to a speculated fp32 update term (_plan_term_holding)."""
+    def _send(self, slot: _Slot, grad: torch.Tensor, job: dict, stream: int) -> None:
+        """Hands a gradient to the pipeline (copy out, after `stream`'s work so far; then `job` on
+        the host) and frees it, or lends its memory to a speculated fp32 update term
+        (_plan_term_holding)."""
         if not grad.is_contiguous():
             grad = grad.contiguous()
         hold = (job.get("speculate", False) and self._hold_terms and grad.dtype == torch.float32
                 and grad.numel() == slot.weight.numel())
         if hold:
             job["device_term"] = grad.data_ptr()
-        self._pipeline.land_gradient(slot.host, grad.data_ptr(), self._current_stream(), **job)
+        self._pipeline.land_gradient(slot.host, grad.data_ptr(), stream, **job)
         if grad.is_cuda:  # the download stream reads it: keep its memory from reuse until then
             grad.record_stream(self._streams[0])
             if hold:  # ...and the upload stream writes the term and applies it
@@ -762,7 +764,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         if early and self._track_norm:
             for s in pending:  # a peer's norm is taken with the last micro-batch: not yet
                 if s.peer and s.param.grad is not None and not s.norm_on_device:
-                    self._measure_on_device(s, s.mine(s.param.grad))
+                    self._measure_on_device(s, s.mine(s.param.grad), self._current_stream())
         if self._arrival:
             self._norm_slots = sorted(self._arrival, key=lambda s: s.index)
             self._device_norms = {}
@@ -775,7 +777,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
             held = s.param.grad
             if held is not None and s.sum_in_vram and (self._dp is None or early):
                 # Still summing in VRAM: an early step, or no gradient in the last backward.
-                self._send(s, s.mine(held), dict(norm=self._track_norm))
+                self._send(s, s.mine(held), dict(norm=self._track_norm), self._current_stream())
             elif self._track_norm and (early if self._shards is not None else self._micro < self.accumulation_steps):
                 # early step: the norm was not taken during backward
                 self._pipeline.submit(s.host, from_accumulator=self._sums_on_host(s), norm=True)
@@ -813,20 +815,25 @@ class OffloadedAdamW(torch.optim.Optimizer):
             else:
                 self._expect_verdict(pending, verdict)
             jobs = {}  # queued at once: the engine's threads take the pipeline's lock for every chunk
+            hypers = {}  # built once for each group and step count (and only read)
             for s in pending:
                 if s.resident:
                     continue
                 if s.peer:
                     self._mark_updated(s)
                     continue
+                key = (id(s.group), s.step)
+                if key not in hypers:
+                    hypers[key] = self._hyper(s, grad_scale=1.0)
                 # a commit needs the speculation's premises intact: the same lr and update mode, and
                 # no clip (known here, or judged by the engine when the verdict lands)
-                speculated = s.speculated == self._hyper(s, grad_scale=1.0) and self._speculates(s)
+                speculated = s.speculated == hypers[key] and self._speculates(s)
                 if speculated and (verdict is not None or unclipped):
                     jobs[s.host] = self._commit(s, verdict)
                 else:
+                    hyper = hypers[key] if scale == 1.0 else self._hyper(s, grad_scale=scale)
                     jobs[s.host] = dict(from_accumulator=self._sums_on_host(s), scale=verdict,
-                                        **self._update_args(s, self._hyper(s, grad_scale=scale)))
+                                        **self._update_args(s, hyper))
                 self._mark_updated(s)
             if jobs:
                 self._pipeline.submit_many(list(jobs), list(jobs.values()))

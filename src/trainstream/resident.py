@@ -47,22 +47,28 @@ class GradientNorms:
         self._device = device
         self._resident = resident
         self._indices: dict[tuple, torch.Tensor] = {}  # slot lists as device index tensors (placements repeat)
+        # each slot's kernel scratch, kept: one allocation per slot rather than one a gradient, and
+        # no scratch shared by slots whose norms may run on different streams
+        self._scratch: dict[int, tuple[int, torch.Tensor]] = {}
         if device.type == "cuda":
             self._out = torch.zeros(count, dtype=torch.float64, device=device)
             self._host = torch.empty(count, dtype=torch.float64, pin_memory=True)
         else:
             self._values = [0.0] * count
 
-    def add(self, index: int, grad: torch.Tensor) -> None:
-        """Queues (CUDA) or takes (CPU) the squared norm of `grad` into slot `index`."""
+    def add(self, index: int, grad: torch.Tensor, stream: int) -> None:
+        """Queues on `stream` (CUDA) or takes (CPU) the squared norm of `grad` into slot `index`."""
         grad = grad.contiguous()  # the kernels read numel elements from data_ptr()
         if self._device.type != "cuda":
             self._values[index] = self._resident.norms([grad]).values()[0]
             return
-        scratch = torch.empty(_C.device_norm_scratch([grad.numel()]), dtype=torch.float64, device=self._device)
-        _C.device_squared_norms(self._device.index, torch.cuda.current_stream(self._device).cuda_stream,
-                                [grad.data_ptr()], [DTYPE_NAMES[grad.dtype]], [grad.numel()], scratch.data_ptr(),
-                                self._out.data_ptr() + index * self._out.element_size())
+        numel = grad.numel()
+        kept = self._scratch.get(index)
+        if kept is None or kept[0] != numel:
+            doubles = _C.device_norm_scratch([numel])
+            kept = self._scratch[index] = (numel, torch.empty(doubles, dtype=torch.float64, device=self._device))
+        _C.device_squared_norms(self._device.index, stream, [grad.data_ptr()], [DTYPE_NAMES[grad.dtype]], [numel],
+                                kept[1].data_ptr(), self._out.data_ptr() + index * self._out.element_size())
 
     def verdict(self, resident: list[int], resident_norms: PendingNorms | None, offloaded: list[int],
                 max_norm: float, eps: float) -> tuple[torch.Tensor | float, torch.Tensor]:
