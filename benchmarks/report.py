@@ -529,6 +529,22 @@ def host_overhead(name: str):
     return render
 
 
+def host_calls(name: str):
+    """host_calls.py runs side by side: each call's host time a step (and a call), the calls of the
+    first run first."""
+    def render(results: Path) -> str:
+        record = load(results, name)
+        runs = [{row["call"]: row for row in run["rows"]} for run in record["runs"]]
+        calls = list(dict.fromkeys(call for run in record["runs"] for call in (row["call"] for row in run["rows"])))
+        rows = [[f"`{call}`"] + [f"{run[call]['ms_per_step']:.2f} ({run[call]['us_per_call']:.0f} us x "
+                                 f"{run[call]['calls_per_step']:g})" if call in run else "-" for run in runs]
+                for call in calls]
+        rows.append(["whole step"] + [f"{1e3 * run['step_s']:.1f}" for run in record["runs"]])
+        columns = ["call"] + [f"{run['label']}: ms a step (a call x calls)" for run in record["runs"]]
+        return "\n\n".join([markdown_table(columns, rows), caption([("", record)])])
+    return render
+
+
 def recorded_table(name: str):
     """A NAME.json with "columns" and "rows": a comparison recorded as it was published."""
     def render(results: Path) -> str:
@@ -603,6 +619,14 @@ TABLES = {
     "clipping_never_warp_norms": runs("clipping_never_warp_norms"),
     "host_overhead_cpu": host_overhead("host_overhead_cpu"),
     "clipping_bf16_held": runs("clipping_bf16_held"),
+    "engine_niceness_renice": runs("engine_niceness_renice"),
+    "engine_niceness": runs("engine_niceness"),
+    "engine_niceness_three_rounds": runs("engine_niceness_three_rounds"),
+    "host_calls": host_calls("host_calls"),
+    "clipping_never_kept_scratch": runs("clipping_never_kept_scratch"),
+    "clipping_never_kept_scratch_four_rounds": runs("clipping_never_kept_scratch_four_rounds"),
+    "timeline_niceness_clip_none": timeline("timeline_niceness_clip_none"),
+    "timeline_niceness_clip_1e9": timeline("timeline_niceness_clip_1e9"),
 }
 
 # figure -> results file: train_step.py runs drawn as step time and peak VRAM bars
