@@ -622,6 +622,7 @@ TABLES = {
     "engine_niceness_renice": runs("engine_niceness_renice"),
     "engine_niceness": runs("engine_niceness"),
     "engine_niceness_three_rounds": runs("engine_niceness_three_rounds"),
+    "engine_niceness_planned": runs("engine_niceness_planned"),
     "host_calls": host_calls("host_calls"),
     "clipping_never_kept_scratch": runs("clipping_never_kept_scratch"),
     "clipping_never_kept_scratch_four_rounds": runs("clipping_never_kept_scratch_four_rounds"),
