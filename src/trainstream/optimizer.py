@@ -199,7 +199,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self._speculation = {"params": 0, "host_bytes": 0, "hits": 0, "misses": 0, "waited": 0,
                              "vram_term_bytes": 0, "terms_held": 0}
         self._hold_terms = False  # speculated fp32 terms go up at once (see _send)
-        self._holding: list[_Slot] = []  # slots whose held_term is set
+        self._holding: dict[int, _Slot] = {}  # slots whose held_term is set, by index
         self._verdict = None  # the last window's clip verdict on its way from the device, and what it decides
         self._streamer: WeightStreamer | None = None
         self._prefetch_depth = prefetch_depth
@@ -435,7 +435,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self._hold_terms = room
         self._speculation["vram_term_bytes"] = need if room else 0
         if not room:
-            self._release_terms(self._holding)
+            self._release_terms()
 
     @staticmethod
     def _host_room() -> float:
@@ -531,14 +531,14 @@ class OffloadedAdamW(torch.optim.Optimizer):
             self._forwards += 1
         if self._whole_forward_gate and self._gates_on:
             self._pipeline.gate(self._hosts, self._current_stream())
-            self._release_terms(self._holding)
+            self._release_terms()
             self._remove_gates()
         # Once no update is queued and every upload has finished, no module needs to wait for its
         # weights: the gates stand down until the next update is queued (_mark_updated). Within an
         # accumulation window, forwards after the first then make no native call per module.
         self._settle_verdict(wait=False)  # whether the next backward speculates
         if self._gates_on and not self._gate_always and self._pipeline.settled(self._hosts):
-            self._release_terms(self._holding)
+            self._release_terms()
             self._remove_gates()
         if self._streamer is not None:
             self._refresh_streamed_masters()
@@ -692,7 +692,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
             self._release_terms([slot])
         if hold:
             slot.held_term = grad
-            self._holding.append(slot)
+            self._holding[slot.index] = slot
             self._speculation["terms_held"] += 1
         if self._dp is None:  # (DDP's bucket is DDP's: step() clears .grad under DDP)
             slot.param.grad = None
@@ -710,15 +710,13 @@ class OffloadedAdamW(torch.optim.Optimizer):
             if self._profiler is not None and self._profiler.recording:
                 self._profiler.end_backward()
 
-    def _release_terms(self, slots: list) -> None:
-        """Gives back the VRAM lent to terms of these slots, whose jobs have all finished (their
-        applying kernels are queued on the upload stream, which the allocator waits for)."""
-        for s in slots:
+    def _release_terms(self, slots: list | None = None) -> None:
+        """Gives back the VRAM lent to terms of these slots (default: every one holding a term),
+        whose jobs have all finished (their applying kernels are queued on the upload stream, which
+        the allocator waits for)."""
+        for s in list(self._holding.values()) if slots is None else slots:
             s.held_term = None
-        if slots is self._holding:
-            self._holding = []
-        elif slots and self._holding:
-            self._holding = [s for s in self._holding if s.held_term is not None]
+            self._holding.pop(s.index, None)
 
     def _hyper(self, slot: _Slot, grad_scale: float) -> dict:
         group = slot.group
@@ -1044,7 +1042,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         """Wait for every queued host update and order the current stream after its upload."""
         self._pipeline.synchronize()
         self._pipeline.gate(self._hosts, self._current_stream())
-        self._release_terms(self._holding)
+        self._release_terms()
 
     # ------------------------------------------------------------------- placement
     def _placement_window_starts(self, args: tuple, kwargs: dict) -> None:
