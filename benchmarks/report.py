@@ -628,6 +628,7 @@ TABLES = {
     "clipping_never_kept_scratch_four_rounds": runs("clipping_never_kept_scratch_four_rounds"),
     "timeline_niceness_clip_none": timeline("timeline_niceness_clip_none"),
     "timeline_niceness_clip_1e9": timeline("timeline_niceness_clip_1e9"),
+    "clipping_regimes_pinned_spare": runs("clipping_regimes_pinned_spare"),
 }
 
 # figure -> results file: train_step.py runs drawn as step time and peak VRAM bars

@@ -14,6 +14,7 @@ OffloadPipeline::OffloadPipeline(std::unique_ptr<Transfer> transfer, std::size_t
                                  std::optional<Isa> isa, std::size_t max_download_bytes,
                                  bool device_accumulate, int niceness)
     : transfer_(std::move(transfer)),
+      spare_(transfer_ ? transfer_->slab_source() : std::make_unique<PageableSlabs>()),
       engine_(threads, isa),
       max_download_bytes_(max_download_bytes),
       device_accumulate_(device_accumulate),

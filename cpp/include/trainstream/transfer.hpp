@@ -26,6 +26,8 @@ class Transfer {
 
   virtual std::unique_ptr<TransferSlot> make_slot() = 0;
   virtual HostArena& arena() = 0;
+  // Slabs of the kind arena() holds, for other host buffers that the engine reads and writes.
+  virtual std::unique_ptr<SlabSource> slab_source() const { return std::make_unique<PageableSlabs>(); }
   virtual bool is_device() const = 0;  // copies cross PCIe and are asynchronous
 
   // Queue a device->host copy that starts after the work queued so far on `producer_stream`;

@@ -27,6 +27,7 @@ class CudaTransfer : public Transfer {
 
   std::unique_ptr<TransferSlot> make_slot() override;
   HostArena& arena() override { return arena_; }
+  std::unique_ptr<SlabSource> slab_source() const override { return std::make_unique<PinnedSlabs>(); }
   bool is_device() const override { return true; }
   void download(TransferSlot& slot, void* host, const void* device, std::size_t bytes,
                 std::uintptr_t producer_stream, std::function<void()> landed) override;
