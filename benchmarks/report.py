@@ -629,6 +629,9 @@ TABLES = {
     "timeline_niceness_clip_none": timeline("timeline_niceness_clip_none"),
     "timeline_niceness_clip_1e9": timeline("timeline_niceness_clip_1e9"),
     "clipping_regimes_pinned_spare": runs("clipping_regimes_pinned_spare"),
+    "clipping_never_download_norms": runs("clipping_never_download_norms"),
+    "timeline_download_norms_clip_none": timeline("timeline_download_norms_clip_none"),
+    "timeline_download_norms_clip_1e9": timeline("timeline_download_norms_clip_1e9"),
 }
 
 # figure -> results file: train_step.py runs drawn as step time and peak VRAM bars

@@ -21,7 +21,8 @@ struct HostView {
 
 GradJob make_job(const AdamWHyper& hyper, bool accumulate, bool overwrite, bool from_accumulator, bool norm,
                  bool update, std::uintptr_t device_weight, bool speculate, bool commit,
-                 std::shared_ptr<ClipScale> scale = nullptr, std::uintptr_t device_term = 0) {
+                 std::shared_ptr<ClipScale> scale = nullptr, std::uintptr_t device_term = 0,
+                 std::uintptr_t device_norm = 0, std::uintptr_t device_norm_scratch = 0) {
   GradJob job;
   job.scale = std::move(scale);
   job.accumulate = accumulate;
@@ -34,6 +35,8 @@ GradJob make_job(const AdamWHyper& hyper, bool accumulate, bool overwrite, bool 
   job.speculate = speculate;
   job.commit = commit;
   job.device_term = device_term;
+  job.device_norm = device_norm;
+  job.device_norm_scratch = device_norm_scratch;
   if (update || commit) adamw_coeffs(job.hyper);  // reject bad hyperparameters here, not in the worker
   return job;
 }
@@ -169,16 +172,17 @@ void bind_pipeline(py::module_& m) {
       pipeline, "land_gradient", HyperKeywords::defaulted,
       [](const AdamWHyper& hyper, OffloadPipeline& o, const std::shared_ptr<HostParam>& p, std::uintptr_t grad,
          std::uintptr_t stream, bool accumulate, bool overwrite, bool from_accumulator, bool norm, bool update,
-         std::uintptr_t device_weight, bool speculate, std::uintptr_t device_term) {
+         std::uintptr_t device_weight, bool speculate, std::uintptr_t device_term, std::uintptr_t device_norm,
+         std::uintptr_t device_norm_scratch) {
         const GradJob job = make_job(hyper, accumulate, overwrite, from_accumulator, norm, update, device_weight,
-                                     speculate, false, nullptr, device_term);
+                                     speculate, false, nullptr, device_term, device_norm, device_norm_scratch);
         py::gil_scoped_release release;
         o.land_gradient(p, grad, stream, job);
       },
       py::arg("param"), py::arg("device_grad"), py::arg("stream"), py::kw_only(), py::arg("accumulate") = false,
       py::arg("overwrite") = false, py::arg("from_accumulator") = false, py::arg("norm") = false,
       py::arg("update") = false, py::arg("device_weight") = 0, py::arg("speculate") = false,
-      py::arg("device_term") = 0);
+      py::arg("device_term") = 0, py::arg("device_norm") = 0, py::arg("device_norm_scratch") = 0);
   def_with_hyper(
       pipeline, "submit", HyperKeywords::defaulted,
       [](const AdamWHyper& hyper, OffloadPipeline& o, const std::shared_ptr<HostParam>& p, bool from_accumulator,
@@ -240,6 +244,11 @@ void bind_pipeline(py::module_& m) {
              py::gil_scoped_release release;
              o.gate(raw, stream);
            }, py::arg("params"), py::arg("stream") = 0)
+      .def("order_after_norms", [](OffloadPipeline& o, std::uintptr_t stream) {
+             py::gil_scoped_release release;
+             o.order_after_norms(stream);
+           }, py::arg("stream"),
+           "Orders `stream` (on the device) after every norm land_gradient measured (device_norm=).")
       .def("settled", [](OffloadPipeline& o, const std::vector<std::shared_ptr<HostParam>>& params) {
              const std::vector<HostParam*> raw = raw_pointers(params);
              py::gil_scoped_release release;

@@ -144,6 +144,10 @@ void OffloadPipeline::land_gradient(const std::shared_ptr<HostParam>& p, std::ui
   };
   const void* grad = reinterpret_cast<const void*>(device_grad);
   try {
+    if (job.device_norm) {
+      transfer_->measure(*p->slot_, grad, p->weight_dtype, p->numel, reinterpret_cast<double*>(job.device_norm_scratch),
+                         reinterpret_cast<double*>(job.device_norm), producer_stream);
+    }
     if (route == Route::add) {
       transfer_->accumulate_download(*p->slot_, p->accumulator, grad, p->weight_dtype, p->numel,
                                      requested.overwrite, producer_stream, std::move(landed));
@@ -321,6 +325,10 @@ void OffloadPipeline::check_job(const HostParam& p, const GradJob& job) {
              "OffloadPipeline: a commit does nothing but commit (and redo the step, when clipped)");
   TS_EXPECTS(!job.commit || job.update == (job.scale != nullptr),
              "OffloadPipeline: a commit redoes the step only when it waits for a clip coefficient");
+  TS_EXPECTS(!job.device_norm == !job.device_norm_scratch,
+             "OffloadPipeline: a device norm needs both its output and its scratch");
+  TS_EXPECTS(!job.device_norm || !(job.accumulate || job.norm),
+             "OffloadPipeline: a device norm measures the gradient as it lands, not a sum, and not twice");
   TS_EXPECTS(!job.device_term || (job.speculate && p.weight_dtype == DType::float32 && job.device_weight),
              "OffloadPipeline: a device term is for a speculative update of fp32 weights on the device");
 }

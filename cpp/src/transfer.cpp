@@ -1,6 +1,7 @@
 #include "trainstream/transfer.hpp"
 
 #include <cstring>
+#include <stdexcept>
 
 #include "trainstream/grad_ops.hpp"
 
@@ -23,6 +24,10 @@ void Transfer::download_bf16_exact(TransferSlot& slot, void* host, const float* 
                                    std::function<void()> landed) {
   *inexact = 1;
   download(slot, host, device_grad, 4 * numel, producer_stream, std::move(landed));
+}
+
+void Transfer::measure(TransferSlot&, const void*, DType, std::size_t, double*, double*, std::uintptr_t) {
+  throw std::invalid_argument("Transfer: only a device backend measures gradients where they are");
 }
 
 HostTransfer::HostTransfer() : arena_(std::make_unique<PageableSlabs>()) {}

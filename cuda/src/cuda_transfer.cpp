@@ -9,6 +9,7 @@
 #include "apply_update.hpp"
 #include "pack_bf16.hpp"
 #include "trainstream/cuda/cuda_check.hpp"
+#include "trainstream/cuda/device_adamw.hpp"
 #include "trainstream/cuda/streams.hpp"
 #include "trainstream/errors.hpp"
 
@@ -77,7 +78,12 @@ CudaTransfer::CudaTransfer(int device, std::uintptr_t download_stream, std::uint
       upload_stream_(upload_stream),
       arena_(std::make_unique<PinnedSlabs>()) {
   TS_CUDA_CHECK(cudaSetDevice(device_));
+  cudaEvent_t event = nullptr;
+  TS_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+  measured_ = event;
 }
+
+CudaTransfer::~CudaTransfer() { cudaEventDestroy(static_cast<cudaEvent_t>(measured_)); }
 
 std::unique_ptr<TransferSlot> CudaTransfer::make_slot() { return std::make_unique<CudaSlot>(); }
 
@@ -118,6 +124,20 @@ void CudaTransfer::download_bf16_exact(TransferSlot& s, void* host, const float*
   order_after(slot.produced, as_stream(producer_stream), stream);  // as in download()
   launch_pack_bf16(dst, device_grad, numel, flag, stream);
   mark_landed(slot, stream, std::move(landed));
+}
+
+void CudaTransfer::measure(TransferSlot& s, const void* device_grad, DType grad_dtype, std::size_t numel,
+                           double* scratch, double* out, std::uintptr_t producer_stream) {
+  auto& slot = static_cast<CudaSlot&>(s);
+  const cudaStream_t stream = as_stream(download_stream_);
+  order_after(slot.produced, as_stream(producer_stream), stream);  // as in download()
+  launch_squared_norms(device_, &device_grad, &grad_dtype, &numel, 1, scratch, out, download_stream_);
+  TS_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(measured_), stream));
+  has_measure_ = true;
+}
+
+void CudaTransfer::order_after_measures(std::uintptr_t stream) {
+  if (has_measure_) TS_CUDA_CHECK(cudaStreamWaitEvent(as_stream(stream), static_cast<cudaEvent_t>(measured_), 0));
 }
 
 void CudaTransfer::wait_download(TransferSlot& s) {

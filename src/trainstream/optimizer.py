@@ -652,7 +652,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         )
         stream = self._current_stream()  # (backward's: the norm and the copy are ordered after it)
         if device_norm:
-            self._measure_on_device(slot, grad, stream)
+            self._measure_on_device(slot, grad, stream, job)
         if update_now:
             hyper = self._hyper(slot, grad_scale=1.0)
             job.update(self._update_args(slot, hyper), speculate=speculate)
@@ -662,10 +662,16 @@ class OffloadedAdamW(torch.optim.Optimizer):
         elif update_now:
             self._mark_updated(slot)
 
-    def _measure_on_device(self, slot: _Slot, grad: torch.Tensor, stream: int) -> None:
+    def _measure_on_device(self, slot: _Slot, grad: torch.Tensor, stream: int, job: dict | None = None) -> None:
+        """Queues the squared norm of `grad` on `stream`; or, given the `job` that is about to send
+        a CUDA gradient, has the pipeline take it on its download stream as the gradient leaves,
+        off the stream that computes the next gradients (step() orders its stream after them)."""
         if self._grad_norms is None:  # the first clipped window (max_grad_norm may be set later)
             self._grad_norms = GradientNorms(self._device, len(self._order), self._resident)
-        if grad.numel():  # (an empty FSDP2 shard's slot stays 0)
+        if grad.numel() and job is not None and grad.is_cuda:
+            job["device_norm"], job["device_norm_scratch"] = self._grad_norms.target(
+                slot.index, grad.numel(), self._streams[0])
+        elif grad.numel():  # (an empty FSDP2 shard's slot stays 0)
             self._grad_norms.add(slot.index, grad, stream)
         slot.norm_on_device = True
         self._norm_pending = True
@@ -767,6 +773,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
             self._norm_slots = sorted(self._arrival, key=lambda s: s.index)
             self._device_norms = {}
             self._norm_on_device = {s for s in self._arrival if s.norm_on_device}
+            if self._norm_on_device and self._device.type == "cuda":
+                self._pipeline.order_after_norms(self._current_stream())  # (measured as they left)
             self._offload_norms = self._grad_norms.collect() if self._norm_on_device else None
         for s in pending:
             if not s.offloaded:

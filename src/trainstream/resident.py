@@ -62,13 +62,22 @@ class GradientNorms:
         if self._device.type != "cuda":
             self._values[index] = self._resident.norms([grad]).values()[0]
             return
-        numel = grad.numel()
+        out, scratch = self.target(index, grad.numel(), None)
+        _C.device_squared_norms(self._device.index, stream, [grad.data_ptr()], [DTYPE_NAMES[grad.dtype]],
+                                [grad.numel()], scratch, out)
+
+    def target(self, index: int, numel: int, stream: torch.cuda.Stream | None) -> tuple[int, int]:
+        """CUDA: where slot `index`'s squared norm goes, and the kernels' scratch for a gradient of
+        `numel` elements, used on `stream` if it is not the current one (for
+        OffloadPipeline.land_gradient's device_norm, which measures on the download stream: the
+        caller orders the stream that reads the norms after it)."""
         kept = self._scratch.get(index)
         if kept is None or kept[0] != numel:
             doubles = _C.device_norm_scratch([numel])
             kept = self._scratch[index] = (numel, torch.empty(doubles, dtype=torch.float64, device=self._device))
-        _C.device_squared_norms(self._device.index, stream, [grad.data_ptr()], [DTYPE_NAMES[grad.dtype]], [numel],
-                                kept[1].data_ptr(), self._out.data_ptr() + index * self._out.element_size())
+            if stream is not None:
+                kept[1].record_stream(stream)  # (freed, should the size change, after that stream's use)
+        return self._out.data_ptr() + index * self._out.element_size(), kept[1].data_ptr()
 
     def verdict(self, resident: list[int], resident_norms: PendingNorms | None, offloaded: list[int],
                 max_norm: float, eps: float) -> tuple[torch.Tensor | float, torch.Tensor]:

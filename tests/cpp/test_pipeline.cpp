@@ -719,6 +719,28 @@ TEST_CASE("an update submitted after device accumulations (an early step) waits 
   CHECK(std::memcmp(weight.data(), ref_p.data(), 4 * n) == 0);
 }
 
+TEST_CASE("a device norm needs its scratch, a gradient as it lands, and a device to measure on") {
+  Rig rig;
+  const std::size_t n = 64;
+  const auto g = device_buffer(DType::float32, n, grad_value, 0);
+  auto p = rig.pipeline->add_param(n, DType::float32, true);
+  std::vector<double> out(1), scratch(1);
+  GradJob job;
+  job.device_norm = addr(out.data());
+  CHECK_THROWS_AS(rig.pipeline->land_gradient(p, addr(g.data()), 0, job), std::invalid_argument);
+  job.device_norm_scratch = addr(scratch.data());
+  job.norm = true;
+  CHECK_THROWS_AS(rig.pipeline->land_gradient(p, addr(g.data()), 0, job), std::invalid_argument);
+  job.norm = false;
+  // This transfer's "device" is host memory: it cannot measure there, and the landing is undone.
+  CHECK_THROWS_AS(rig.pipeline->land_gradient(p, addr(g.data()), 0, job), std::invalid_argument);
+  CHECK(rig.pipeline->downloading_bytes() == 0);
+  CHECK(rig.pipeline->pending() == 0);
+  rig.pipeline->land_gradient(p, addr(g.data()), 0, GradJob{});
+  rig.transfer->land_all();
+  rig.pipeline->synchronize();
+}
+
 TEST_CASE("a failed device accumulation throws and leaves nothing in flight") {
   Rig rig;
   const std::size_t n = 64;

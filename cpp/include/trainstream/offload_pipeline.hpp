@@ -119,6 +119,11 @@ struct GradJob {
   // job has run. A commit that redoes nothing then applies it where it lies, and the link carries
   // nothing after the verdict; a redo uploads its own term as usual.
   std::uintptr_t device_term = 0;
+  // land_gradient only, on a device: before the gradient leaves, its squared norm (a double) is
+  // written here, on the download stream (Transfer::measure; scratch: device memory, one double a
+  // norm block). order_after_norms() orders a stream after every norm measured so far.
+  std::uintptr_t device_norm = 0;
+  std::uintptr_t device_norm_scratch = 0;
   // The clip coefficient as landed from the device: the job waits for it, and it replaces
   // hyper.grad_scale. A commit that carries it is also an update (`update` set): when the
   // coefficient is not 1 (ClipScale::commits), the step is redone from the untouched state into
@@ -206,6 +211,10 @@ class OffloadPipeline {
   // Waits until the parameters' queued jobs have finished, then orders `stream` after their
   // uploads (on the device). This is what a module's forward pre-hook calls.
   void gate(const std::vector<HostParam*>& params, std::uintptr_t stream);
+
+  // Orders `stream` (on the device) after every norm that land_gradient has measured so far
+  // (GradJob::device_norm), so that work queued on it next may read them.
+  void order_after_norms(std::uintptr_t stream) { transfer_->order_after_measures(stream); }
 
   // Whether the parameters have no queued jobs and their last uploads have finished, so that any
   // stream may read their weights without gating. Never waits (beyond the pipeline's lock).

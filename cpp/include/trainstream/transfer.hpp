@@ -52,6 +52,16 @@ class Transfer {
   virtual void download_bf16_exact(TransferSlot& slot, void* host, const float* device_grad, std::size_t numel,
                                    std::uint32_t* inexact, std::uintptr_t producer_stream,
                                    std::function<void()> landed);
+  // Queue, on the download stream after the work queued so far on `producer_stream`, *out = the
+  // squared norm of the device gradient as grad_ops.hpp defines it (out and scratch are device
+  // memory, scratch as many doubles as the gradient has norm blocks): taken where the gradient is
+  // copied from, off the stream that produces the next gradients. Before any download of the same
+  // gradient, so that the download's landing (and what the host then writes back over the
+  // gradient's memory) follows it. Only device backends measure; this default throws.
+  virtual void measure(TransferSlot& slot, const void* device_grad, DType grad_dtype, std::size_t numel,
+                       double* scratch, double* out, std::uintptr_t producer_stream);
+  // Make `stream` wait (on the device) for every measure() queued so far.
+  virtual void order_after_measures(std::uintptr_t /*stream*/) {}
   // Block the calling thread until the slot's last download (or accumulate_download) has landed.
   virtual void wait_download(TransferSlot& slot) = 0;
   // Queue a host->device copy on the upload stream and mark the slot's upload point. The host

@@ -24,6 +24,7 @@ class CudaTransfer : public Transfer {
  public:
   // Streams are cudaStream_t handles owned by the caller, who keeps them alive.
   CudaTransfer(int device, std::uintptr_t download_stream, std::uintptr_t upload_stream);
+  ~CudaTransfer() override;
 
   std::unique_ptr<TransferSlot> make_slot() override;
   HostArena& arena() override { return arena_; }
@@ -39,6 +40,10 @@ class CudaTransfer : public Transfer {
   void download_bf16_exact(TransferSlot& slot, void* host, const float* device_grad, std::size_t numel,
                            std::uint32_t* inexact, std::uintptr_t producer_stream,
                            std::function<void()> landed) override;
+  // The norm kernels of device_adamw.hpp, on the download stream.
+  void measure(TransferSlot& slot, const void* device_grad, DType grad_dtype, std::size_t numel, double* scratch,
+               double* out, std::uintptr_t producer_stream) override;
+  void order_after_measures(std::uintptr_t stream) override;
   void wait_download(TransferSlot& slot) override;
   void upload(TransferSlot& slot, void* device, const void* host, std::size_t bytes) override;
   // On the upload stream: the term is copied to the staging buffer, then a kernel
@@ -61,6 +66,8 @@ class CudaTransfer : public Transfer {
   std::mutex staging_mutex_;
   float* staging_ = nullptr;  // device memory owned by the caller
   std::size_t staging_floats_ = 0;
+  void* measured_ = nullptr;  // cudaEvent_t on the download stream, after the last measure()
+  bool has_measure_ = false;
 };
 
 }  // namespace trainstream
