@@ -240,3 +240,54 @@ def test_a_verdict_that_lands_during_forward_decides_whether_backward_speculates
     opt.zero_grad()
     spec = opt.report()["speculation"]
     assert spec["misses"] == 2 and spec["waited"] == 1  # (the stand-in verdict counted as the second miss)
+
+
+class _PinningRunsOut:
+    """The pipeline, except that host memory for second state sets runs out after `left` of them."""
+
+    def __init__(self, pipeline, left: int) -> None:
+        self._pipeline, self._left = pipeline, left
+
+    def enable_speculation(self, host):
+        if self._left == 0:
+            raise trainstream.NativeError("cannot pin 64 MiB of host memory")
+        self._left -= 1
+        return self._pipeline.enable_speculation(host)
+
+    def __getattr__(self, name):
+        return getattr(self._pipeline, name)
+
+
+def test_host_memory_that_runs_out_while_second_sets_are_taken_leaves_the_rest_waiting(caplog):
+    """Pinned memory may run out before MemAvailable says so: the parameters that got a second set
+    speculate, the others wait for the norm (with a warning that says so), and the bits are still
+    the waiting path's."""
+    torch.manual_seed(0)
+    model = TinyLM()
+    opt = torch.optim.AdamW(param_groups(model), lr=3e-3, betas=(0.9, 0.95))
+    model, opt = trainstream.wrap(model, opt, max_grad_norm=THRESHOLDS[0],
+                                  tuning=trainstream.Tuning(placement="offload", speculative_clipping=False))
+    pipeline = opt._pipeline
+    opt._pipeline = _PinningRunsOut(pipeline, left=3)
+    with caplog.at_level("WARNING", logger="trainstream"):
+        opt.speculative_clipping = True
+    opt._pipeline = pipeline
+    total = len(list(model.parameters()))
+    assert opt.speculation["params"] == 3
+    assert f"the other {total - 3} wait for it" in opt.describe()
+    assert "no host memory for more second state sets" in caplog.text
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    for threshold in THRESHOLDS:
+        opt.max_grad_norm = threshold
+        loss = model.loss(torch.randint(0, 97, (4, 17), generator=g))
+        loss.backward()
+        losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    opt.synchronize()
+    assert opt.speculation["hits"] and opt.speculation["misses"]
+    waiting = run(speculate=False)
+    assert losses == waiting[0]
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, waiting[2][key]), key

@@ -24,8 +24,9 @@ from trainstream import placement as planner
 from trainstream.activations import light as light_recompute
 from trainstream.activations.plan import format_size
 from trainstream.distributed import local_shard
-from trainstream.errors import (GRAD_SCALER_MESSAGE, TrainingLoopError, UnsupportedSetupError, VramBudgetError,
-                                check_autocast, check_compile_mode, check_single_process, compiled_wrappers)
+from trainstream.errors import (GRAD_SCALER_MESSAGE, NativeError, TrainingLoopError, UnsupportedSetupError,
+                                VramBudgetError, check_autocast, check_compile_mode, check_single_process,
+                                compiled_wrappers)
 from trainstream.host_adamw import DTYPE_NAMES
 from trainstream.profiler import RECOMPUTE_PER_FORWARD, StepProfiler, block_spans, measure_bandwidths
 from trainstream._native import _C
@@ -408,8 +409,13 @@ class OffloadedAdamW(torch.optim.Optimizer):
             need = self._pipeline.speculation_bytes(s.weight.numel(), DTYPE_NAMES[s.param.dtype])
             if need > room:
                 continue
+            try:
+                self._speculation["host_bytes"] += self._pipeline.enable_speculation(s.host)
+            except NativeError as e:  # (pinned memory can run out before MemAvailable says so)
+                log.warning("clipping: no host memory for more second state sets (%s); the updates "
+                            "of the parameters without one wait for the global norm", e)
+                break
             room -= need
-            self._speculation["host_bytes"] += self._pipeline.enable_speculation(s.host)
             s.next_state = {"exp_avg": self._host_tensor(s.host, "next_exp_avg", s.weight),
                             "exp_avg_sq": self._host_tensor(s.host, "next_exp_avg_sq", s.weight)}
             if s.param.dtype == torch.bfloat16:
