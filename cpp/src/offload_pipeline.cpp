@@ -143,20 +143,22 @@ void OffloadPipeline::land_gradient(const std::shared_ptr<HostParam>& p, std::ui
     work_ready_.notify_one();
   };
   const void* grad = reinterpret_cast<const void*>(device_grad);
+  std::uintptr_t after = producer_stream;  // what the download follows
   try {
     if (job.device_norm) {
-      transfer_->measure(*p->slot_, grad, p->weight_dtype, p->numel, reinterpret_cast<double*>(job.device_norm_scratch),
-                         reinterpret_cast<double*>(job.device_norm), producer_stream);
+      after = transfer_->measure(*p->slot_, grad, p->weight_dtype, p->numel,
+                                 reinterpret_cast<double*>(job.device_norm_scratch),
+                                 reinterpret_cast<double*>(job.device_norm), producer_stream);
     }
     if (route == Route::add) {
       transfer_->accumulate_download(*p->slot_, p->accumulator, grad, p->weight_dtype, p->numel,
-                                     requested.overwrite, producer_stream, std::move(landed));
+                                     requested.overwrite, after, std::move(landed));
     } else if (packed) {
       transfer_->download_bf16_exact(*p->slot_, p->grad, static_cast<const float*>(grad), p->numel,
-                                     p->inexact_, producer_stream, std::move(landed));
+                                     p->inexact_, after, std::move(landed));
     } else {
       void* target = route == Route::in_place ? static_cast<void*>(p->accumulator) : p->grad;
-      transfer_->download(*p->slot_, target, grad, bytes, producer_stream, std::move(landed));
+      transfer_->download(*p->slot_, target, grad, bytes, after, std::move(landed));
     }
   } catch (...) {
     // Nothing was queued, so `landed` will never run: undo its bookkeeping, or later jobs and the

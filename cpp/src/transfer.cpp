@@ -26,7 +26,7 @@ void Transfer::download_bf16_exact(TransferSlot& slot, void* host, const float* 
   download(slot, host, device_grad, 4 * numel, producer_stream, std::move(landed));
 }
 
-void Transfer::measure(TransferSlot&, const void*, DType, std::size_t, double*, double*, std::uintptr_t) {
+std::uintptr_t Transfer::measure(TransferSlot&, const void*, DType, std::size_t, double*, double*, std::uintptr_t) {
   throw std::invalid_argument("Transfer: only a device backend measures gradients where they are");
 }
 

@@ -126,14 +126,15 @@ void CudaTransfer::download_bf16_exact(TransferSlot& s, void* host, const float*
   mark_landed(slot, stream, std::move(landed));
 }
 
-void CudaTransfer::measure(TransferSlot& s, const void* device_grad, DType grad_dtype, std::size_t numel,
-                           double* scratch, double* out, std::uintptr_t producer_stream) {
+std::uintptr_t CudaTransfer::measure(TransferSlot& s, const void* device_grad, DType grad_dtype, std::size_t numel,
+                                     double* scratch, double* out, std::uintptr_t producer_stream) {
   auto& slot = static_cast<CudaSlot&>(s);
   const cudaStream_t stream = as_stream(download_stream_);
   order_after(slot.produced, as_stream(producer_stream), stream);  // as in download()
   launch_squared_norms(device_, &device_grad, &grad_dtype, &numel, 1, scratch, out, download_stream_);
   TS_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(measured_), stream));
   has_measure_ = true;
+  return download_stream_;
 }
 
 void CudaTransfer::order_after_measures(std::uintptr_t stream) {

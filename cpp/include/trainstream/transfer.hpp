@@ -57,8 +57,10 @@ class Transfer {
   // memory, scratch as many doubles as the gradient has norm blocks): taken where the gradient is
   // copied from, off the stream that produces the next gradients. Before any download of the same
   // gradient, so that the download's landing (and what the host then writes back over the
-  // gradient's memory) follows it. Only device backends measure; this default throws.
-  virtual void measure(TransferSlot& slot, const void* device_grad, DType grad_dtype, std::size_t numel,
+  // gradient's memory) follows it. Returns the stream that download is then to follow (the one the
+  // norm was queued on), so that it need not be ordered after the producer again. Only device
+  // backends measure; this default throws.
+  virtual std::uintptr_t measure(TransferSlot& slot, const void* device_grad, DType grad_dtype, std::size_t numel,
                        double* scratch, double* out, std::uintptr_t producer_stream);
   // Make `stream` wait (on the device) for every measure() queued so far.
   virtual void order_after_measures(std::uintptr_t /*stream*/) {}

@@ -41,8 +41,8 @@ class CudaTransfer : public Transfer {
                            std::uint32_t* inexact, std::uintptr_t producer_stream,
                            std::function<void()> landed) override;
   // The norm kernels of device_adamw.hpp, on the download stream.
-  void measure(TransferSlot& slot, const void* device_grad, DType grad_dtype, std::size_t numel, double* scratch,
-               double* out, std::uintptr_t producer_stream) override;
+  std::uintptr_t measure(TransferSlot& slot, const void* device_grad, DType grad_dtype, std::size_t numel,
+                         double* scratch, double* out, std::uintptr_t producer_stream) override;
   void order_after_measures(std::uintptr_t stream) override;
   void wait_download(TransferSlot& slot) override;
   void upload(TransferSlot& slot, void* device, const void* host, std::size_t bytes) override;

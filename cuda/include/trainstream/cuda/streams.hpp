@@ -16,6 +16,7 @@ inline cudaStream_t as_stream(std::uintptr_t handle) { return reinterpret_cast<c
 // Makes `consumer` wait, on the device, for the work queued so far on `producer`; `event` marks
 // that point and may be re-recorded by the next call.
 inline void order_after(cudaEvent_t event, cudaStream_t producer, cudaStream_t consumer) {
+  if (producer == consumer) return;  // (a stream's work already runs in its order)
   TS_CUDA_CHECK(cudaEventRecord(event, producer));
   TS_CUDA_CHECK(cudaStreamWaitEvent(consumer, event, 0));
 }
