@@ -630,6 +630,11 @@ TABLES = {
     "timeline_niceness_clip_1e9": timeline("timeline_niceness_clip_1e9"),
     "clipping_regimes_pinned_spare": runs("clipping_regimes_pinned_spare"),
     "clipping_never_download_norms": runs("clipping_never_download_norms"),
+    "clipping_never_fused_norms": runs("clipping_never_fused_norms"),
+    "clipping_never_one_commit": runs("clipping_never_one_commit"),
+    "clipping_never_one_commit_four_rounds": runs("clipping_never_one_commit_four_rounds"),
+    "clipping_regimes_one_commit": runs("clipping_regimes_one_commit"),
+    "host_calls_one_commit": host_calls("host_calls_one_commit"),
     "timeline_download_norms_clip_none": timeline("timeline_download_norms_clip_none"),
     "timeline_download_norms_clip_1e9": timeline("timeline_download_norms_clip_1e9"),
 }

@@ -91,7 +91,8 @@ void bind_cuda(py::module_& m) {
         "(scale 0: not written); verdict, where given, receives two doubles: that float and the norm.");
   m.def("device_norm_scratch", [](const std::vector<std::size_t>& numels) {
     return squared_norm_scratch(numels.data(), numels.size());
-  }, py::arg("numels"), "Doubles of device scratch device_squared_norms needs.");
+  }, py::arg("numels"), "Doubles of device scratch device_squared_norms (or a device norm taken as a gradient "
+     "lands) needs, zeroed before its first use.");
   m.def("device_squared_norms",
         [](int device, std::uintptr_t stream, const Addresses& grads, const std::vector<std::string>& grad_dtypes,
            const std::vector<std::size_t>& numels, std::uintptr_t scratch, std::uintptr_t out) {

@@ -209,6 +209,17 @@ void bind_pipeline(py::module_& m) {
            py::arg("params"), py::arg("jobs"),
            "submit() for several parameters at once, each job a dict of submit()'s keywords: queued "
            "under one lock, with one wake-up.")
+      .def("commit",
+           [](OffloadPipeline& o, const std::vector<std::shared_ptr<HostParam>>& params,
+              const std::vector<std::uintptr_t>& device_weights, const py::object& verdict) {
+             std::shared_ptr<const ClipScale> scale;
+             if (!verdict.is_none()) scale = verdict.cast<std::shared_ptr<ClipScale>>();
+             py::gil_scoped_release release;
+             o.commit(params, device_weights, scale);
+           },
+           py::arg("params"), py::arg("device_weights"), py::arg("verdict") = py::none(),
+           "Queues the commit of each parameter's speculative update, with the hyperparameters it ran "
+           "with; given the window's verdict (land_scale), the engine redoes it first if that clips.")
       .def("enable_speculation", [](OffloadPipeline& o, HostParam& p) {
              py::gil_scoped_release release;
              return o.enable_speculation(p);

@@ -143,19 +143,17 @@ void OffloadPipeline::land_gradient(const std::shared_ptr<HostParam>& p, std::ui
     work_ready_.notify_one();
   };
   const void* grad = reinterpret_cast<const void*>(device_grad);
+  const DeviceNorm norm{reinterpret_cast<double*>(job.device_norm), reinterpret_cast<double*>(job.device_norm_scratch)};
   std::uintptr_t after = producer_stream;  // what the download follows
   try {
-    if (job.device_norm) {
-      after = transfer_->measure(*p->slot_, grad, p->weight_dtype, p->numel,
-                                 reinterpret_cast<double*>(job.device_norm_scratch),
-                                 reinterpret_cast<double*>(job.device_norm), producer_stream);
-    }
+    // A packed download measures in its own pass over the gradient.
+    if (norm.out && !packed) after = transfer_->measure(*p->slot_, grad, p->weight_dtype, p->numel, norm, after);
     if (route == Route::add) {
       transfer_->accumulate_download(*p->slot_, p->accumulator, grad, p->weight_dtype, p->numel,
                                      requested.overwrite, after, std::move(landed));
     } else if (packed) {
       transfer_->download_bf16_exact(*p->slot_, p->grad, static_cast<const float*>(grad), p->numel,
-                                     p->inexact_, after, std::move(landed));
+                                     p->inexact_, after, norm, std::move(landed));
     } else {
       void* target = route == Route::in_place ? static_cast<void*>(p->accumulator) : p->grad;
       transfer_->download(*p->slot_, target, grad, bytes, after, std::move(landed));
@@ -186,6 +184,32 @@ void OffloadPipeline::submit(const std::vector<std::shared_ptr<HostParam>>& para
   {
     std::lock_guard<std::mutex> lock(mutex_);
     rethrow_locked();
+    for (std::size_t k = 0; k < params.size(); ++k) enqueue_locked(params[k], jobs[k], false, false);
+  }
+  work_ready_.notify_all();
+}
+
+void OffloadPipeline::commit(const std::vector<std::shared_ptr<HostParam>>& params,
+                            const std::vector<std::uintptr_t>& device_weights,
+                            const std::shared_ptr<const ClipScale>& verdict) {
+  TS_EXPECTS(params.size() == device_weights.size(), "OffloadPipeline: one device weight per parameter");
+  if (params.empty()) return;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    rethrow_locked();
+    std::vector<GradJob> jobs(params.size());
+    for (std::size_t k = 0; k < params.size(); ++k) {
+      TS_EXPECTS(params[k] != nullptr, "OffloadPipeline: no parameter");
+      TS_EXPECTS(params[k]->speculated_.has_value(),
+                 "OffloadPipeline: a commit needs a speculative update queued since the parameter's last update");
+      GradJob& job = jobs[k];
+      job.commit = true;
+      job.update = verdict != nullptr;
+      job.scale = verdict;
+      job.hyper = *params[k]->speculated_;
+      job.device_weight = device_weights[k];
+      check_job(*params[k], job);  // all before any is queued
+    }
     for (std::size_t k = 0; k < params.size(); ++k) enqueue_locked(params[k], jobs[k], false, false);
   }
   work_ready_.notify_all();
@@ -356,6 +380,11 @@ void OffloadPipeline::enqueue_locked(const std::shared_ptr<HostParam>& p, const 
   task->download = p->downloads_;
   task->landing = landing;
   task->packed = packed;
+  if (job.speculate) {
+    p->speculated_ = job.hyper;
+  } else if (job.update || job.commit) {
+    p->speculated_.reset();
+  }
   queue_.push_back(std::move(task));
   ++in_flight_;
 }

@@ -20,13 +20,14 @@ void Transfer::apply_update(TransferSlot& slot, float* device, const float* devi
 }
 
 void Transfer::download_bf16_exact(TransferSlot& slot, void* host, const float* device_grad, std::size_t numel,
-                                   std::uint32_t* inexact, std::uintptr_t producer_stream,
+                                   std::uint32_t* inexact, std::uintptr_t producer_stream, const DeviceNorm& norm,
                                    std::function<void()> landed) {
+  if (norm.out) producer_stream = measure(slot, device_grad, DType::float32, numel, norm, producer_stream);
   *inexact = 1;
   download(slot, host, device_grad, 4 * numel, producer_stream, std::move(landed));
 }
 
-std::uintptr_t Transfer::measure(TransferSlot&, const void*, DType, std::size_t, double*, double*, std::uintptr_t) {
+std::uintptr_t Transfer::measure(TransferSlot&, const void*, DType, std::size_t, const DeviceNorm&, std::uintptr_t) {
   throw std::invalid_argument("Transfer: only a device backend measures gradients where they are");
 }
 
@@ -47,8 +48,10 @@ void HostTransfer::accumulate_download(TransferSlot&, float* host_acc, const voi
   if (landed) landed();
 }
 
-void HostTransfer::download_bf16_exact(TransferSlot&, void* host, const float* device_grad, std::size_t numel,
-                                       std::uint32_t* inexact, std::uintptr_t, std::function<void()> landed) {
+void HostTransfer::download_bf16_exact(TransferSlot& slot, void* host, const float* device_grad, std::size_t numel,
+                                       std::uint32_t* inexact, std::uintptr_t producer_stream, const DeviceNorm& norm,
+                                       std::function<void()> landed) {
+  if (norm.out) measure(slot, device_grad, DType::float32, numel, norm, producer_stream);  // (refused)
   const bool exact = bf16_exact(device_grad, numel);
   if (exact) {
     pack_bf16_exact(static_cast<std::uint16_t*>(host), device_grad, numel);

@@ -10,6 +10,7 @@
 // of launches.
 #include <algorithm>
 
+#include "norm_block.cuh"
 #include "trainstream/cuda/device_adamw.hpp"
 #include "trainstream/cuda/streams.hpp"
 #include "trainstream/grad_ops.hpp"
@@ -98,52 +99,30 @@ __global__ void __launch_bounds__(kThreads) adamw_kernel(const AdamWBatch batch,
   }
 }
 
-// One warp per norm block: lane l adds the squares of the block's elements l, l + 32, ... in
-// order, and the lanes fold as squared_norm_block() folds them.
+// One warp per norm block (norm_block.cuh).
 __global__ void __launch_bounds__(kThreads) norm_blocks_kernel(const NormBatch batch, double* __restrict__ partials) {
-  static_assert(kNormLanes == 32, "a norm block's lanes are a warp");
   const unsigned long long index = (std::size_t(blockIdx.x) * kThreads + threadIdx.x) / 32;
   if (index >= batch.first_block[batch.count]) return;  // whole warps leave together
   const int k = owner(batch.first_block, batch.count, index);
   const std::size_t begin = (index - batch.first_block[k]) * kNormBlock;
   const std::size_t end = min(std::size_t(batch.numel[k]), begin + kNormBlock);
   const unsigned lane = threadIdx.x % 32;
-  double s = 0;
+  double s;
   if (batch.bf16[k]) {
     const std::uint16_t* g = static_cast<const std::uint16_t*>(batch.grad[k]);
-    for (std::size_t i = begin + lane; i < end; i += 32) {
-      const double x = bf16_bits_to_float(g[i]);
-      s = __dadd_rn(s, __dmul_rn(x, x));
-    }
+    s = norm_block_partial([g](std::size_t i) { return double(bf16_bits_to_float(g[i])); }, begin, end, lane);
   } else {
     const float* g = static_cast<const float*>(batch.grad[k]);
-    for (std::size_t i = begin + lane; i < end; i += 32) {
-      const double x = g[i];
-      s = __dadd_rn(s, __dmul_rn(x, x));
-    }
+    s = norm_block_partial([g](std::size_t i) { return double(g[i]); }, begin, end, lane);
   }
-  for (int width = 16; width > 0; width /= 2) s = __dadd_rn(s, __shfl_down_sync(0xffffffffu, s, width));
   if (lane == 0) partials[index] = s;
 }
 
-// One warp per tensor: its block partials added in order, as the host adds them. The lanes load
-// 32 partials at a time, the next 32 on their way while these are added, and every lane adds them
-// in order from the lanes' registers: one memory round trip per 32 partials rather than one per
-// partial (a single thread adding a large tensor's thousands of partials took milliseconds, on the
-// stream that backward runs on).
+// One warp per tensor: its block partials added in order, as the host adds them.
 __global__ void norm_sum_kernel(const NormBatch batch, const double* __restrict__ partials, double* __restrict__ out) {
   const int k = blockIdx.x;
-  const unsigned lane = threadIdx.x;
-  const unsigned long long first = batch.first_block[k], last = batch.first_block[k + 1];
-  double total = 0;
-  double next = first + lane < last ? partials[first + lane] : 0.0;
-  for (unsigned long long base = first; base < last; base += 32) {
-    const double here = next;
-    if (base + 32 + lane < last) next = partials[base + 32 + lane];
-    const unsigned n = static_cast<unsigned>(min(32ull, last - base));  // (the same in every lane)
-    for (unsigned j = 0; j < n; ++j) total = __dadd_rn(total, __shfl_sync(0xffffffffu, here, j));
-  }
-  if (lane == 0) out[k] = total;
+  const double total = sum_partials(partials, batch.first_block[k], batch.first_block[k + 1], threadIdx.x);
+  if (threadIdx.x == 0) out[k] = total;
 }
 
 // The clip coefficient from per-tensor squared norms, as OffloadedAdamW computes it on the host:
@@ -202,7 +181,7 @@ void launch_device_adamw(int device, const DeviceAdamWTensor* tensors, std::size
 std::size_t squared_norm_scratch(const std::size_t* numels, std::size_t count) {
   std::size_t blocks = 0;
   for (std::size_t k = 0; k < count; ++k) blocks += norm_blocks(numels[k]);
-  return blocks;
+  return blocks + 1;  // (the last: launch_scan_bf16's count of finished thread blocks)
 }
 
 void launch_squared_norms(int device, const void* const* grads, const DType* dtypes, const std::size_t* numels,

@@ -111,7 +111,7 @@ void CudaTransfer::accumulate_download(TransferSlot& s, float* host_acc, const v
 }
 
 void CudaTransfer::download_bf16_exact(TransferSlot& s, void* host, const float* device_grad, std::size_t numel,
-                                       std::uint32_t* inexact, std::uintptr_t producer_stream,
+                                       std::uint32_t* inexact, std::uintptr_t producer_stream, const DeviceNorm& norm,
                                        std::function<void()> landed) {
   auto& slot = static_cast<CudaSlot&>(s);
   const cudaStream_t stream = as_stream(download_stream_);
@@ -122,19 +122,25 @@ void CudaTransfer::download_bf16_exact(TransferSlot& s, void* host, const float*
   TS_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&flag), inexact, 0));
   *inexact = 0;  // pinned memory is coherent: the scan kernel, launched after this store, sees it
   order_after(slot.produced, as_stream(producer_stream), stream);  // as in download()
+  launch_scan_bf16(device_grad, numel, flag, norm.scratch, norm.out, stream);
+  if (norm.out) mark_measured();
   launch_pack_bf16(dst, device_grad, numel, flag, stream);
   mark_landed(slot, stream, std::move(landed));
 }
 
 std::uintptr_t CudaTransfer::measure(TransferSlot& s, const void* device_grad, DType grad_dtype, std::size_t numel,
-                                     double* scratch, double* out, std::uintptr_t producer_stream) {
+                                     const DeviceNorm& norm, std::uintptr_t producer_stream) {
   auto& slot = static_cast<CudaSlot&>(s);
   const cudaStream_t stream = as_stream(download_stream_);
   order_after(slot.produced, as_stream(producer_stream), stream);  // as in download()
-  launch_squared_norms(device_, &device_grad, &grad_dtype, &numel, 1, scratch, out, download_stream_);
-  TS_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(measured_), stream));
-  has_measure_ = true;
+  launch_squared_norms(device_, &device_grad, &grad_dtype, &numel, 1, norm.scratch, norm.out, download_stream_);
+  mark_measured();
   return download_stream_;
+}
+
+void CudaTransfer::mark_measured() {
+  TS_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(measured_), as_stream(download_stream_)));
+  has_measure_ = true;
 }
 
 void CudaTransfer::order_after_measures(std::uintptr_t stream) {

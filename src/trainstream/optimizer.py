@@ -453,15 +453,15 @@ class OffloadedAdamW(torch.optim.Optimizer):
         """Host memory the pager's slots already hold (reused for every step's paged activations)."""
         return self._pager._native.stats()["reserved_bytes"] if self._pager is not None else 0
 
-    @staticmethod
-    def _commit(slot: _Slot, verdict=None) -> dict:
-        """The job that commits a speculative update (with the hyperparameters it ran with: the
-        decay the upload applies); the state's views follow the swap. With a `verdict` still on its
-        way, the engine redoes the step into the next-state buffers first if it clips."""
-        for key, view in slot.next_state.items():
-            slot.next_state[key], slot.state[key] = slot.state[key], view
-        return dict(commit=True, update=verdict is not None, scale=verdict, device_weight=slot.weight.data_ptr(),
-                    **slot.speculated)
+    def _commit(self, slots: list, verdict=None) -> None:
+        """Queues the commits of these slots' speculative updates (the engine takes the
+        hyperparameters each ran with: the decay the upload applies); the state's views follow the
+        swaps. With a `verdict` still on its way, the engine redoes a step into the next-state
+        buffers first if it clips."""
+        for slot in slots:
+            for key, view in slot.next_state.items():
+                slot.next_state[key], slot.state[key] = slot.state[key], view
+        self._pipeline.commit([s.host for s in slots], [s.weight.data_ptr() for s in slots], verdict)
 
     def _ensure_staging(self) -> None:
         """The VRAM buffer that offloaded fp32 parameters' update terms cross through, sized for
@@ -744,13 +744,14 @@ class OffloadedAdamW(torch.optim.Optimizer):
         device = 0 if slot.streamed else slot.weight.data_ptr()
         return dict(update=True, device_weight=device, **hyper)
 
-    def _mark_updated(self, slot: _Slot) -> None:
-        if slot.offloaded:
-            self._install_gates()
-            self._uploads_queued += 1
-        slot.updated = True
-        slot.step += 1
-        slot.state["step"].fill_(slot.step)
+    def _mark_updated(self, *slots: _Slot) -> None:
+        for slot in slots:
+            if slot.offloaded:
+                self._install_gates()
+                self._uploads_queued += 1
+            slot.updated = True
+            slot.step += 1
+            slot.state["step"].fill_(slot.step)
 
     # -------------------------------------------------------------------------- step
     @torch.no_grad()
@@ -826,13 +827,14 @@ class OffloadedAdamW(torch.optim.Optimizer):
                 self._resolve_speculation(pending, unclipped)
             else:
                 self._expect_verdict(pending, verdict)
-            jobs = {}  # queued at once: the engine's threads take the pipeline's lock for every chunk
+            # queued at once: the engine's threads take the pipeline's lock for every chunk
+            jobs, commits, updated = {}, [], []
             hypers = {}  # built once for each group and step count (and only read)
             for s in pending:
                 if s.resident:
                     continue
+                updated.append(s)
                 if s.peer:
-                    self._mark_updated(s)
                     continue
                 key = (id(s.group), s.step)
                 if key not in hypers:
@@ -841,14 +843,16 @@ class OffloadedAdamW(torch.optim.Optimizer):
                 # no clip (known here, or judged by the engine when the verdict lands)
                 speculated = s.speculated == hypers[key] and self._speculates(s)
                 if speculated and (verdict is not None or unclipped):
-                    jobs[s.host] = self._commit(s, verdict)
+                    commits.append(s)
                 else:
                     hyper = hypers[key] if scale == 1.0 else self._hyper(s, grad_scale=scale)
                     jobs[s.host] = dict(from_accumulator=self._sums_on_host(s), scale=verdict,
                                         **self._update_args(s, hyper))
-                self._mark_updated(s)
+            if commits:
+                self._commit(commits, verdict)
             if jobs:
                 self._pipeline.submit_many(list(jobs), list(jobs.values()))
+            self._mark_updated(*updated)
             self._update_resident(resident, scale, device_scale)
         if self._dp is not None and self._arrival:
             self._share_updates(self._arrival)
@@ -957,8 +961,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         for batch in batches.values():
             hyper = self._hyper(batch[0][0], scale)
             self._resident.update([(s.param, g, s.device_state) for s, g in batch], hyper, device_scale)
-            for s, _ in batch:
-                self._mark_updated(s)
+            self._mark_updated(*(s for s, _ in batch))
 
     @property
     def pack_gradients(self) -> bool:

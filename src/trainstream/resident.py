@@ -74,7 +74,7 @@ class GradientNorms:
         kept = self._scratch.get(index)
         if kept is None or kept[0] != numel:
             doubles = _C.device_norm_scratch([numel])
-            kept = self._scratch[index] = (numel, torch.empty(doubles, dtype=torch.float64, device=self._device))
+            kept = self._scratch[index] = (numel, torch.zeros(doubles, dtype=torch.float64, device=self._device))
             if stream is not None:
                 kept[1].record_stream(stream)  # (freed, should the size change, after that stream's use)
         return self._out.data_ptr() + index * self._out.element_size(), kept[1].data_ptr()

@@ -732,9 +732,13 @@ TEST_CASE("a device norm needs its scratch, a gradient as it lands, and a device
   job.norm = true;
   CHECK_THROWS_AS(rig.pipeline->land_gradient(p, addr(g.data()), 0, job), std::invalid_argument);
   job.norm = false;
-  // This transfer's "device" is host memory: it cannot measure there, and the landing is undone.
-  CHECK_THROWS_AS(rig.pipeline->land_gradient(p, addr(g.data()), 0, job), std::invalid_argument);
-  CHECK(rig.pipeline->downloading_bytes() == 0);
+  // This transfer's "device" is host memory: it cannot measure there, in the pass that packs the
+  // gradient or apart from the copy, and the landing is undone.
+  for (bool pack : {true, false}) {
+    rig.pipeline->set_pack_gradients(pack);
+    CHECK_THROWS_AS(rig.pipeline->land_gradient(p, addr(g.data()), 0, job), std::invalid_argument);
+    CHECK(rig.pipeline->downloading_bytes() == 0);
+  }
   CHECK(rig.pipeline->pending() == 0);
   rig.pipeline->land_gradient(p, addr(g.data()), 0, GradJob{});
   rig.transfer->land_all();
@@ -827,7 +831,7 @@ TEST_CASE("bf16-exact fp32 gradients land as bf16 and update bit-identically; ot
   std::uint32_t inexact = 0;
   std::vector<float> host(8);
   TransferSlot slot;
-  rig.transfer->download_bf16_exact(slot, host.data(), g.data(), 8, &inexact, 0, {});
+  rig.transfer->download_bf16_exact(slot, host.data(), g.data(), 8, &inexact, 0, {}, {});
   CHECK(inexact == 1 && host == g);
 }
 
@@ -887,16 +891,15 @@ TEST_CASE("a speculative update commits the waiting path's bits, or is redone fr
       if (dtype == DType::bfloat16 && scale == 1.0) CHECK(weights[1] == weights[0]);
       if (dtype == DType::bfloat16 && scale != 1.0) CHECK(weights[1] != weights[0] && weights[1] != w0);
       if (dtype == DType::bfloat16) CHECK(std::memcmp(master0.data(), params[1]->master, 4 * n) == 0);
-      GradJob resolve = spec;
-      resolve.speculate = false;
-      if (scale == 1.0) {
-        resolve.update = false;
-        resolve.commit = true;
+      if (scale == 1.0) {  // committed with the hyperparameters the speculation ran with
+        speculating.pipeline->commit({params[1]}, {spec.device_weight}, nullptr);
       } else {
-        resolve.hyper.grad_scale = scale;  // redone from the untouched state
+        GradJob redo = spec;  // redone from the untouched state
+        redo.speculate = false;
+        redo.hyper.grad_scale = scale;
+        redo.device_term = 0;
+        speculating.pipeline->submit(params[1], redo);
       }
-      resolve.device_term = 0;
-      speculating.pipeline->submit(params[1], resolve);
       speculating.pipeline->synchronize();
       if (dtype == DType::float32) {
         // A held term is applied where it lies; a redo waits for its copy, then uploads its own.
@@ -910,6 +913,10 @@ TEST_CASE("a speculative update commits the waiting path's bits, or is redone fr
       if (dtype == DType::bfloat16) CHECK(std::memcmp(params[0]->master, params[1]->master, 4 * n) == 0);
     }
     CHECK(weights[0] != device_buffer(dtype, n, grad_value, 99));
+    // The last window was redone: there is no speculation left to commit.
+    CHECK_THROWS_AS(speculating.pipeline->commit({params[1]}, {addr(weights[1].data())}, nullptr),
+                    std::invalid_argument);
+    CHECK(speculating.pipeline->pending() == 0);
   }
 }
 

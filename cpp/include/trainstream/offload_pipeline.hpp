@@ -70,6 +70,9 @@ class HostParam {
   // Where the last speculated fp32 term went up (GradJob::device_term), until a job consumes it:
   // a commit applies it there, an update waits for its copy before writing the term buffer again.
   std::uintptr_t held_term_ = 0;
+  // The hyperparameters of its last speculative update, while no other update or commit has been
+  // queued since (OffloadPipeline::commit takes them). Under the pipeline's mutex.
+  std::optional<AdamWHyper> speculated_;
   // What the landing buffer holds, as decided by the job that consumed its last download: later
   // jobs on it (the update queued at step() after a norm) read it the same way. Engine threads only.
   DType landing_dtype_ = DType::float32;
@@ -174,11 +177,18 @@ class OffloadPipeline {
   // The same for several parameters, queued under one lock and with one wake-up (a window's
   // updates and commits at step(), while every engine thread is taking chunks under that lock).
   void submit(const std::vector<std::shared_ptr<HostParam>>& params, const std::vector<GradJob>& jobs);
+  // Queues, as that submit() does, the commit of each parameter's speculative update (the one
+  // queued since its last update or commit): a job with `commit`, that update's hyperparameters
+  // and the parameter's `device_weight`; with a `verdict` still on its way, also `update` and that
+  // scale (GradJob::scale). Throws std::invalid_argument, queuing none, where a parameter has no
+  // such speculation.
+  void commit(const std::vector<std::shared_ptr<HostParam>>& params, const std::vector<std::uintptr_t>& device_weights,
+              const std::shared_ptr<const ClipScale>& verdict);
 
   // Gives the parameter its next-state buffers (GradJob::speculate), once; returns the host bytes
-  // they took (0 if it had them). The moments and master are pageable memory, touched here so
-  // that the first speculative update takes no page faults; the bf16 weights, which are uploaded,
-  // come from the arena.
+  // they took (0 if it had them), from the transfer's slab source (pinned memory on CUDA, like
+  // the state) apart from the arena, which counts state only; touched here so that the first
+  // speculative update takes no page faults.
   std::size_t enable_speculation(HostParam& p);
   // Host bytes enable_speculation takes for a parameter of this size and weight dtype.
   static std::size_t speculation_bytes(std::size_t numel, DType weight_dtype);

@@ -20,6 +20,14 @@ class TransferSlot {
   virtual ~TransferSlot() = default;
 };
 
+// Where a gradient's squared norm is taken on the device (device memory): the norm into *out, with
+// `scratch` as launch_squared_norms takes it in cuda/include/trainstream/cuda/device_adamw.hpp,
+// zeroed before its first use. No norm where `out` is null.
+struct DeviceNorm {
+  double* out = nullptr;
+  double* scratch = nullptr;
+};
+
 class Transfer {
  public:
   virtual ~Transfer() = default;
@@ -47,22 +55,23 @@ class Transfer {
   // element is a bf16 value widened to fp32 (low 16 bits zero, as weight gradients under bf16
   // autocast are), only the high halves are sent, as bf16, to the start of `host`; otherwise all
   // four bytes of each element. Once landed, *inexact (host memory from arena()) is 0 if halves
-  // were sent. The caller keeps other users of `host` and `inexact` away until then. This default
-  // always sends four bytes; backends that can test the gradient where it lies override it.
+  // were sent. The caller keeps other users of `host` and `inexact` away until then. Where `norm`
+  // has an output, the gradient is also measured as measure() would (the caller does not call it
+  // for this gradient), in the same pass that tests its halves. This default always sends four
+  // bytes; backends that can test the gradient where it lies override it.
   virtual void download_bf16_exact(TransferSlot& slot, void* host, const float* device_grad, std::size_t numel,
-                                   std::uint32_t* inexact, std::uintptr_t producer_stream,
+                                   std::uint32_t* inexact, std::uintptr_t producer_stream, const DeviceNorm& norm,
                                    std::function<void()> landed);
-  // Queue, on the download stream after the work queued so far on `producer_stream`, *out = the
-  // squared norm of the device gradient as grad_ops.hpp defines it (out and scratch are device
-  // memory, scratch as many doubles as the gradient has norm blocks): taken where the gradient is
-  // copied from, off the stream that produces the next gradients. Before any download of the same
+  // Queue, on the download stream after the work queued so far on `producer_stream`, the squared
+  // norm of the device gradient as grad_ops.hpp defines it into `norm`: taken where the gradient
+  // is copied from, off the stream that produces the next gradients. Before any download of the same
   // gradient, so that the download's landing (and what the host then writes back over the
   // gradient's memory) follows it. Returns the stream that download is then to follow (the one the
   // norm was queued on), so that it need not be ordered after the producer again. Only device
   // backends measure; this default throws.
   virtual std::uintptr_t measure(TransferSlot& slot, const void* device_grad, DType grad_dtype, std::size_t numel,
-                       double* scratch, double* out, std::uintptr_t producer_stream);
-  // Make `stream` wait (on the device) for every measure() queued so far.
+                                 const DeviceNorm& norm, std::uintptr_t producer_stream);
+  // Make `stream` wait (on the device) for every norm queued so far (measure(), download_bf16_exact).
   virtual void order_after_measures(std::uintptr_t /*stream*/) {}
   // Block the calling thread until the slot's last download (or accumulate_download) has landed.
   virtual void wait_download(TransferSlot& slot) = 0;
@@ -110,7 +119,8 @@ class HostTransfer : public Transfer {
                            std::size_t numel, bool overwrite, std::uintptr_t,
                            std::function<void()> landed) override;
   void download_bf16_exact(TransferSlot&, void* host, const float* device_grad, std::size_t numel,
-                           std::uint32_t* inexact, std::uintptr_t, std::function<void()> landed) override;
+                           std::uint32_t* inexact, std::uintptr_t, const DeviceNorm& norm,
+                           std::function<void()> landed) override;
   void wait_download(TransferSlot&) override {}
   void upload(TransferSlot&, void* device, const void* host, std::size_t bytes) override;
   void order_after_upload(TransferSlot&, std::uintptr_t) override {}

@@ -36,13 +36,13 @@ class CudaTransfer : public Transfer {
   void accumulate_download(TransferSlot& slot, float* host_acc, const void* device_grad, DType grad_dtype,
                            std::size_t numel, bool overwrite, std::uintptr_t producer_stream,
                            std::function<void()> landed) override;
-  // Two kernels on the download stream (cuda/kernels/pack_bf16.cu).
+  // Two kernels on the download stream (cuda/kernels/pack_bf16.cu), the first also measuring.
   void download_bf16_exact(TransferSlot& slot, void* host, const float* device_grad, std::size_t numel,
-                           std::uint32_t* inexact, std::uintptr_t producer_stream,
+                           std::uint32_t* inexact, std::uintptr_t producer_stream, const DeviceNorm& norm,
                            std::function<void()> landed) override;
   // The norm kernels of device_adamw.hpp, on the download stream.
   std::uintptr_t measure(TransferSlot& slot, const void* device_grad, DType grad_dtype, std::size_t numel,
-                         double* scratch, double* out, std::uintptr_t producer_stream) override;
+                         const DeviceNorm& norm, std::uintptr_t producer_stream) override;
   void order_after_measures(std::uintptr_t stream) override;
   void wait_download(TransferSlot& slot) override;
   void upload(TransferSlot& slot, void* device, const void* host, std::size_t bytes) override;
@@ -59,6 +59,8 @@ class CudaTransfer : public Transfer {
   void bind_thread() override;
 
  private:
+  void mark_measured();  // records measured_ after the norm just queued on the download stream
+
   int device_;
   std::uintptr_t download_stream_;
   std::uintptr_t upload_stream_;
@@ -66,7 +68,7 @@ class CudaTransfer : public Transfer {
   std::mutex staging_mutex_;
   float* staging_ = nullptr;  // device memory owned by the caller
   std::size_t staging_floats_ = 0;
-  void* measured_ = nullptr;  // cudaEvent_t on the download stream, after the last measure()
+  void* measured_ = nullptr;  // cudaEvent_t on the download stream, after the last norm
   bool has_measure_ = false;
 };
 

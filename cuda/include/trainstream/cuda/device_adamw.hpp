@@ -29,7 +29,8 @@ struct DeviceAdamWTensor {
 void launch_device_adamw(int device, const DeviceAdamWTensor* tensors, std::size_t count, const AdamWHyper& hyper,
                          std::uintptr_t stream, const float* device_scale = nullptr);
 
-// Doubles of scratch launch_squared_norms needs for these sizes: one per norm block.
+// Doubles of scratch launch_squared_norms needs for these sizes: one per norm block, and one more
+// that pack_bf16.hpp's measuring scan counts in (zero before its first use; the scan leaves it so).
 std::size_t squared_norm_scratch(const std::size_t* numels, std::size_t count);
 
 // Queues out[k] = the squared norm of grads[k] as grad_ops.hpp defines it, on `stream` of
