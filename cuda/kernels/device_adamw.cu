@@ -143,8 +143,6 @@ __global__ void clip_scale_kernel(const double* __restrict__ squares, std::size_
   }
 }
 
-std::size_t norm_blocks(std::size_t numel) { return (numel + kNormBlock - 1) / kNormBlock; }
-
 }  // namespace
 
 void launch_device_adamw(int device, const DeviceAdamWTensor* tensors, std::size_t count, const AdamWHyper& hyper,

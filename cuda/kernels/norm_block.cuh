@@ -9,6 +9,9 @@
 
 namespace trainstream {
 
+// Norm blocks of a tensor of `numel` elements: its partials, one each.
+__host__ __device__ constexpr std::size_t norm_blocks(std::size_t numel) { return (numel + kNormBlock - 1) / kNormBlock; }
+
 // One norm block's partial, by a warp: lane `lane` adds the squares of elements begin + lane,
 // begin + lane + 32, ... below `end` in order, as `load(i)` gives them; the lanes then fold as
 // squared_norm_block() folds them. The partial is lane 0's result.

@@ -58,7 +58,7 @@ __global__ void __launch_bounds__(kThreads)
 __global__ void __launch_bounds__(kThreads)
     scan_norm_kernel(const std::uint32_t* __restrict__ g, std::size_t numel, std::uint32_t* flag,
                      double* __restrict__ partials, unsigned* done, double* __restrict__ out) {
-  const std::size_t blocks = (numel + kNormBlock - 1) / kNormBlock;
+  const std::size_t blocks = norm_blocks(numel);
   const std::size_t index = (std::size_t(blockIdx.x) * kThreads + threadIdx.x) / 32;
   const unsigned lane = threadIdx.x % 32;
   std::uint32_t bits = 0;
@@ -132,7 +132,7 @@ void launch_scan_bf16(const float* grad, std::size_t numel, std::uint32_t* flag,
   const auto* g = reinterpret_cast<const std::uint32_t*>(grad);
   if (norm_out) {
     constexpr std::size_t kWarps = kThreads / 32;  // norm blocks per thread block
-    const std::size_t blocks = (numel + kNormBlock - 1) / kNormBlock;
+    const std::size_t blocks = norm_blocks(numel);
     auto* done = reinterpret_cast<unsigned*>(norm_scratch + blocks);
     scan_norm_kernel<<<static_cast<unsigned>((blocks + kWarps - 1) / kWarps), kThreads, 0, stream>>>(
         g, numel, flag, norm_scratch, done, norm_out);
