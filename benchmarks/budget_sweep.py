@@ -22,8 +22,7 @@ import tempfile
 
 import torch
 
-import train_step
-from report import PEER_NAMES
+from common import about, add_model_arguments, add_paging_arguments, plot_sweep, write_json
 
 PEERS = ("gpu-adamw", "gpu-adamw+ckpt", "torchao")
 
@@ -115,59 +114,10 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-MARKERS = {"gpu-adamw": "s", "gpu-adamw+ckpt": "D", "torchao": "^", "deepspeed": "v"}  # one per peer in PEER_NAMES
-
-
-def plot(rows: list[dict], accs: list[int], path: str) -> None:
-    """Step time against the cap, one panel per accumulation: TrainStream as lines, each peer as
-    points, and a peer that does not fit under a cap as an x of its colour above the highest point."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(accs), figsize=(6 * len(accs), 4.6), squeeze=False)
-    for ax, acc in zip(axes[0], accs):
-        mine = [r for r in rows if r["acc"] == acc]
-        finite = sorted({r["cap_GB"] for r in mine if r["cap_GB"] is not None})
-        uncapped_x = (finite[-1] if finite else 24) * 1.25
-        x = lambda r: uncapped_x if r["cap_GB"] is None else r["cap_GB"]
-        top = max([r["step_s"] for r in mine if "step_s" in r] or [1.0])
-        for mode, color in zip(dict.fromkeys(r["mode"] for r in mine if r["mode"].startswith("trainstream")),
-                               ("#4472c4", "#70ad47", "#ed7d31")):
-            ours = sorted((r for r in mine if r["mode"] == mode and "step_s" in r), key=x)
-            label = "TrainStream" + mode.removeprefix("trainstream")
-            ax.plot([x(r) for r in ours], [r["step_s"] for r in ours], "o-", color=color, label=label, lw=2)
-        for k, (mode, name) in enumerate(PEER_NAMES.items()):
-            color, marker = f"C{k + 1}", MARKERS[mode]
-            ran = [r for r in mine if r["mode"] == mode and "step_s" in r]
-            if ran:
-                ax.scatter([x(r) for r in ran], [r["step_s"] for r in ran], marker=marker, s=60, color=color,
-                           label=name, zorder=3)
-            misses = [x(r) for r in mine if r["mode"] == mode and "step_s" not in r and r["cap_GB"] is not None
-                      and not (r.get("error") or "").startswith("not run")]
-            if misses:
-                ax.scatter(misses, [top * (1.05 + 0.03 * k)] * len(misses), marker="x", color=color, s=40, zorder=3)
-        ax.set_xticks(finite + [uncapped_x], [f"{c:g}" for c in finite] + ["none"])
-        ax.set_xlabel("VRAM cap (GB); x: out of memory")
-        ax.set_ylabel("seconds per step")
-        ax.set_title(f"accumulation {acc}")
-        ax.set_ylim(0, top * 1.2)
-        ax.grid(alpha=0.3)
-    legend = {}
-    for ax in axes[0]:
-        for handle, label in zip(*ax.get_legend_handles_labels()):
-            legend.setdefault(label, handle)
-    fig.legend(legend.values(), legend.keys(), loc="lower center", ncol=len(legend), fontsize=8, frameon=False)
-    fig.tight_layout(rect=(0, 0.07, 1, 1))
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    train_step.add_model_arguments(ap)
-    train_step.add_paging_arguments(ap)
+    add_model_arguments(ap)
+    add_paging_arguments(ap)
     ap.add_argument("--accs", default="1,8")
     ap.add_argument("--caps", default="none,24,20,16,12,8", help="GB, comma-separated; 'none' is uncapped")
     ap.add_argument("--peers", default=",".join(PEERS))
@@ -198,13 +148,12 @@ def main(argv=None) -> int:
         print(f"\n{torch.cuda.get_device_name()}  hidden={args.hidden} layers={args.layers} batch={args.batch}x{args.seq} "
               f"acc={acc} weights={args.weights} clip={args.clip}")
         print(table([r for r in rows if r["acc"] == acc]), flush=True)
-    record = {"about": train_step.about(argv), "args": {k: v for k, v in vars(args).items()},
+    record = {"about": about(argv), "args": {k: v for k, v in vars(args).items()},
               "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "results": rows}
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(record, f, indent=1)
+        write_json(args.json, record)
     if args.plot:
-        plot(rows, accs, args.plot)
+        plot_sweep(rows, accs, args.plot)
     return 0
 
 

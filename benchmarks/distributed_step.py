@@ -17,6 +17,7 @@ measurement.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import socket
@@ -28,9 +29,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import trainstream
-import train_step
-from trainstream.activations.plan import find_blocks
-from trainstream.testing import causal_lm_loss
+from trainstream.activations import find_blocks
+from trainstream.fixtures import causal_lm_loss
+
+from common import about, add_model_arguments, build_model, deepspeed_config, deepspeed_engine, write_json
 
 MODES = ("ddp-adamw", "ddp-trainstream", "fsdp2-offload", "fsdp2-trainstream", "deepspeed")
 
@@ -45,7 +47,7 @@ def build(mode: str, args, device: torch.device):
     """(model, optimizer, clips itself) for one mode on this rank."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    model = train_step.build_model(args, device)
+    model = build_model(args, device)
     lr, decay = 1e-4, 0.01
     if mode.startswith("ddp"):
         model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
@@ -59,7 +61,7 @@ def build(mode: str, args, device: torch.device):
             fully_shard(layer, mesh=mesh, **policy)
         fully_shard(model, mesh=mesh, **policy)
     if mode == "deepspeed":
-        return (*train_step.deepspeed_engine(model, train_step.deepspeed_config(args, 2)), True)
+        return (*deepspeed_engine(model, deepspeed_config(args, 2)), True)
     if mode == "ddp-adamw":
         return model, torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=decay, fused=device.type == "cuda"), False
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=decay)  # (FSDP2's offload: on the host)
@@ -79,8 +81,9 @@ def rank_main(rank: int, world: int, port: int, mode: str, args, out) -> None:
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, **({"device_id": torch.device("cuda", rank)} if cuda else {}))
     # Stock DDP and FSDP2 ranks too: a process group's thread that frees a Python object while the
-    # interpreter finalizes aborts the process, whichever optimizer trained (trainstream.distributed)
-    trainstream.distributed._register_exit_grace()
+    # interpreter finalizes aborts the process, whichever optimizer trained. So at exit this rank
+    # lets go of the GIL for a moment first, as trainstream.distributed does for its own ranks.
+    atexit.register(time.sleep, 0.05)
     try:
         device = torch.device("cuda", rank) if cuda else torch.device("cpu")
         torch.manual_seed(0)
@@ -153,7 +156,7 @@ def run(mode: str, args, world: int) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    train_step.add_model_arguments(ap)
+    add_model_arguments(ap)
     ap.add_argument("--gpus", type=int, default=2, help="ranks, one per GPU (with --device cpu: processes)")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--modes", default=",".join(MODES))
@@ -184,8 +187,7 @@ def main(argv=None) -> int:
         vram = max((x["peak_vram_GB"] or 0.0) for x in r["ranks"])
         print(f"{r['mode']:<20}{r['step_s']:>9.3f}{vram:>20.2f}{max(x['host_GB'] for x in r['ranks']):>15.2f}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"about": train_step.about(argv), "args": vars(args), "results": rows}, f, indent=1)
+        write_json(args.json, {"about": about(argv), "args": vars(args), "results": rows})
     return 0
 
 

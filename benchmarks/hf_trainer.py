@@ -20,8 +20,9 @@ import time
 import torch
 import transformers
 
-from train_step import add_model_arguments, build_model
-from trainstream.testing import RandomTokens
+from trainstream.fixtures import RandomTokens
+
+from common import add_model_arguments, build_model, write_json
 
 
 class Clock(transformers.TrainerCallback):
@@ -115,9 +116,8 @@ def main(argv=None) -> int:
         print(f"{r['acc']:>4}{'on' if r['compile'] else 'off':>9}{r['trainer']:>13}{r['step_s']:>9.3f}"
               f"{r['step_s'] / stock['step_s']:>9.2f}x{r['peak_vram_GB']:>9.2f}{diff:>15.2e}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                       "transformers": transformers.__version__, "results": results}, f, indent=1)
+        write_json(args.json, {"args": vars(args), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                               "transformers": transformers.__version__, "results": results})
     return 0
 
 

@@ -2,9 +2,13 @@
 
 The thread that runs backward's gradient hooks and step() also launches the GPU's work; while
 the host engine keeps every core busy, what it spends per parameter can show in the step. This
-times the optimizer's own methods and every call into the native pipeline and the device norms,
-over timed steps after a warm-up, all parameters offloaded. The figures are inclusive: a method's
-time holds that of the calls it makes. Prints a table and writes JSON.
+times, over timed steps after a warm-up, all parameters offloaded: the backward and step() calls
+as the loop makes them, wrap()'s gradient hook on each parameter (between a hook registered
+before wrap() and one registered after it: torch runs a tensor's hooks in that order), and every
+call into the native pipeline and the device norms, through the optimizer's seams for them
+(`optimizer.engine.pipeline`, `optimizer.clipping.grad_norms`), and the rooms' methods that the
+hooks and step() call (ROOM_METHODS, as `room.method`). The figures are inclusive: a call's time
+holds that of the calls it makes. Prints a table and writes JSON.
 
     python benchmarks/host_calls.py [--clip 1e9] [--steps 10] [--niceness 5]
 """
@@ -13,20 +17,19 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import time
 
 import torch
 
 import trainstream
-from trainstream.testing import causal_lm_loss
+from trainstream.fixtures import causal_lm_loss
 
-from train_step import add_model_arguments, build_model  # (benchmarks/ is on the path)
+from common import add_model_arguments, build_model, write_json
 
-# the optimizer's methods on the hooks' and step()'s paths (a hook registered at wrap() calls
-# _on_grad directly, so it is timed through _take)
-METHODS = ("_take", "_measure_on_device", "_send", "_land_verdict", "_expect_verdict", "_settle_verdict",
-           "_resolve_speculation", "_update_resident", "_mark_updated", "_commit", "_hyper", "_install_gates")
+# The optimizer's rooms (its attributes) and their methods that the hooks and step() call.
+ROOM_METHODS = {"gradient_hooks": ("take", "send", "mark_updated"),
+                "clipping": ("measure", "coefficient", "land_verdict", "resolve", "settle_verdict", "commit"),
+                "gates": ("update_queued",)}
 
 
 class Timings:
@@ -46,6 +49,24 @@ class Timings:
             finally:
                 self.add(name, time.perf_counter() - t0)
         return call
+
+
+class HookClock:
+    """Times another gradient hook of each parameter: `start` registered before it, `stop` after
+    it, so the time between is that hook's, on whichever thread autograd runs hooks. Counts only
+    while `on`."""
+
+    def __init__(self, timings: Timings, name: str) -> None:
+        self.timings, self.name, self.on = timings, name, False
+        self.started: dict[int, float] = {}
+
+    def start(self, param) -> None:
+        self.started[id(param)] = time.perf_counter()
+
+    def stop(self, param) -> None:
+        t0 = self.started.pop(id(param), None)
+        if self.on and t0 is not None:
+            self.timings.add(self.name, time.perf_counter() - t0)
 
 
 class TimedCalls:
@@ -78,12 +99,18 @@ def main(argv=None) -> int:
 
     model = build_model(args, args.device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
+    timings = Timings()
+    hooks = HookClock(timings, "[gradient hooks]")
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        p.register_post_accumulate_grad_hook(hooks.start)
     tuning = dict(placement="offload", **({} if args.niceness is None else dict(engine_niceness=args.niceness)))
     model, opt = trainstream.wrap(model, opt, accumulation_steps=args.acc, max_grad_norm=args.clip,
                                   tuning=trainstream.Tuning(**tuning))
+    for p in params:
+        p.register_post_accumulate_grad_hook(hooks.stop)
     tokens = torch.randint(0, args.vocab, (args.batch, args.seq), device=args.device,
                            generator=torch.Generator(device=args.device).manual_seed(1))
-    timings = Timings()
 
     def one_step(timed: bool) -> None:
         backward = 0.0
@@ -109,11 +136,14 @@ def main(argv=None) -> int:
     for _ in range(args.warmup):
         one_step(timed=False)
     settle()
-    opt._pipeline = TimedCalls(opt._pipeline, timings, "pipeline.")
-    if opt._grad_norms is not None:
-        opt._grad_norms = TimedCalls(opt._grad_norms, timings, "norms.")
-    for name in METHODS:
-        setattr(opt, name, timings.timed(name, getattr(opt, name)))
+    opt.engine.pipeline = TimedCalls(opt.engine.pipeline, timings, "pipeline.")
+    if opt.clipping.grad_norms is not None:
+        opt.clipping.grad_norms = TimedCalls(opt.clipping.grad_norms, timings, "norms.")
+    for room, names in ROOM_METHODS.items():  # (set on the room objects: they call each other through them)
+        obj = getattr(opt, room)
+        for name in names:
+            setattr(obj, name, timings.timed(f"{room}.{name}", getattr(obj, name)))
+    hooks.on = True
     t0 = time.perf_counter()
     for _ in range(args.steps):
         one_step(timed=True)
@@ -128,8 +158,7 @@ def main(argv=None) -> int:
     for r in rows:
         print(f"{r['call']:<28}{r['ms_per_step']:>9.2f}{r['calls_per_step']:>12.1f}{r['us_per_call']:>10.1f}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "torch": torch.__version__, "step_s": step_s, "rows": rows}, f, indent=1)
+        write_json(args.json, {"args": vars(args), "torch": torch.__version__, "step_s": step_s, "rows": rows})
     return 0
 
 

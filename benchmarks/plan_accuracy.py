@@ -24,10 +24,11 @@ from dataclasses import replace
 
 import torch
 
-import train_step
 import trainstream
 from trainstream import placement as planner
-from trainstream.testing import causal_lm_loss
+from trainstream.fixtures import causal_lm_loss
+
+from common import about, add_model_arguments, build_model, write_json
 
 
 def variations(profile: planner.Profile, chosen: planner.Plan) -> list[tuple[str, planner.Plan]]:
@@ -57,13 +58,19 @@ def variations(profile: planner.Profile, chosen: planner.Plan) -> list[tuple[str
         streamed = replace(chosen, streamed=max(k, chosen.streamed))
         # (a streamed block's parameters are offloaded: the planner counts them so)
         out.append((f"chosen, {streamed.streamed} blocks' weights streamed",
-                    replace(streamed, resident=min(chosen.resident, planner._first_streamed_param(profile, streamed)))))
+                    replace(streamed, resident=min(chosen.resident, before_streamed(profile, streamed)))))
     return out
+
+
+def before_streamed(profile: planner.Profile, plan: planner.Plan) -> int:
+    """How many parameters, the first in forward order, come before the plan's first streamed block."""
+    streamed = planner.streamed_blocks(profile, plan.streamed)
+    return min((i for i, p in enumerate(profile.params) if p.block in streamed), default=len(profile.params))
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    train_step.add_model_arguments(ap)
+    add_model_arguments(ap)
     ap.add_argument("--vram-budget", default="20GB")
     ap.add_argument("--clip", type=float, default=1.0)
     ap.add_argument("--steps", type=int, default=8)
@@ -78,7 +85,7 @@ def main(argv=None) -> int:
         print("plan_accuracy.py needs a CUDA GPU (or --device cpu)", file=sys.stderr)
         return 2
     torch.manual_seed(0)
-    model = train_step.build_model(args, device.type)
+    model = build_model(args, device.type)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
     model, opt = trainstream.wrap(model, opt, max_grad_norm=args.clip, accumulation_steps=args.acc,
                                   vram_budget=args.vram_budget, tuning=trainstream.Tuning(light_recompute=args.light))
@@ -98,18 +105,18 @@ def main(argv=None) -> int:
 
     while opt.plan is None:  # the profiled steps, then the plan
         steps(1)
-    profile, chosen = opt._profile, opt.plan
+    profile, chosen = opt.profile, opt.plan
     rows = []
     for name, plan in variations(profile, chosen):
         expected, terms = planner.step_seconds(profile, plan)
-        opt._apply(plan)  # (what a re-plan does: between steps)
+        opt.promotion.apply(plan)  # (what a re-plan does: between steps)
         steps(args.warmup)
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
         steps(args.steps)
         measured = (time.perf_counter() - t0) / args.steps
-        row = {"variation": name, "resident_params": sum(s.resident for s in opt._order),
+        row = {"variation": name, "resident_params": sum(s.resident for s in opt.slots.order),
                "recomputed_blocks": len(plan.recomputed), "light_blocks": len(plan.light),
                "streamed_blocks": plan.streamed,
                "expected_step_s": expected, "step_s": measured, "step_terms": terms,
@@ -124,10 +131,9 @@ def main(argv=None) -> int:
         print(f"{r['variation']:<52}{r['expected_step_s']:>11.4f}{r['step_s']:>11.4f}{r['expected_peak_GB']:>12.2f}{peak:>9}")
     if args.json:
         profile_figures = {k: v for k, v in vars(profile).items() if k not in ("params", "blocks")}
-        with open(args.json, "w") as f:
-            json.dump({"about": train_step.about(argv), "args": vars(args),
-                       "params": sum(p.numel() for p in model.parameters()), "profile": profile_figures,
-                       "results": rows}, f, indent=1)
+        write_json(args.json, {"about": about(argv), "args": vars(args),
+                               "params": sum(p.numel() for p in model.parameters()), "profile": profile_figures,
+                               "results": rows})
     return 0
 
 

@@ -30,6 +30,8 @@ from pathlib import Path
 
 from trainstream import placement as planner
 
+from common import PEER_NAMES, medians, plot_runs, plot_sweep  # (nothing there trains, nor imports a runner)
+
 ROOT = Path(__file__).resolve().parents[1]
 DOCUMENTS = ("README.md", "docs/benchmarks.md", "docs/architecture.md")
 MARKER = re.compile(r"(<!-- results:([\w-]+) -->\n)(.*?)(<!-- /results:\2 -->)", re.S)
@@ -52,9 +54,6 @@ LABELS = {
     "deepspeed": "DeepSpeed ZeRO-2, optimizer offloaded",
     "no-optimizer": "no optimizer: forward and backward, each gradient dropped at once",
 }
-# The peers in budget sweeps, as their columns and the sweep's plot name them.
-PEER_NAMES = {"gpu-adamw": "PyTorch, fused AdamW", "gpu-adamw+ckpt": "PyTorch + gradient checkpointing",
-              "torchao": "torchao CPUOffloadOptimizer", "deepspeed": "DeepSpeed ZeRO-2 offload"}
 
 
 # ------------------------------------------------------------------------------ helpers
@@ -296,17 +295,6 @@ def engine_threads(results: Path) -> str:
     r = load(results, "engine_threads")
     rows = [[str(x["threads"]), f"{x['GBps']:.1f}", f"{x['ns_per_param']:.4f}"] for x in r["rows"]]
     return "\n\n".join([markdown_table(["threads", "GB/s", "ns/param"], rows), caption([("", r)])])
-
-
-def medians(results: list[dict]) -> list[dict]:
-    """Each mode's timed runs in one file, in the order the modes first ran: how many, and the
-    median, fastest and slowest step."""
-    steps: dict[str, list[float]] = {}
-    for r in results:
-        if r.get("step_s") is not None:
-            steps.setdefault(r["mode"], []).append(r["step_s"])
-    return [{"mode": mode, "runs": len(s), "median_s": statistics.median(s), "min_s": min(s), "max_s": max(s)}
-            for mode, s in steps.items()]
 
 
 def runs(name: str):
@@ -558,11 +546,6 @@ TABLES = {
     "budget_sweep_acc8": budget_sweep("budget_sweep_acc8"),
     "budget_sweep_margins_acc1": budget_sweep("budget_sweep_margins_acc1"),
     "budget_sweep_margins_acc8": budget_sweep("budget_sweep_margins_acc8"),
-    "budget_sweep_margins_acc1_16": budget_sweep("budget_sweep_margins_acc1_16"),
-    "budget_sweep_510ac8f": budget_sweep("budget_sweep_510ac8f"),
-    "budget_sweep_nohooks": budget_sweep("budget_sweep_nohooks"),
-    "budget_sweep_blocktime": budget_sweep("budget_sweep_blocktime"),
-    "stream_095": runs("stream_095"),
     "stream_price": stream_price("stream_price"),
     "stream_large": stream_large,
     "plan_accuracy_20gb": plan_accuracy("plan_accuracy_20gb"),
@@ -579,64 +562,14 @@ TABLES = {
     "large_models": large_models,
     "hf_finetune": hf_finetune,
     "copy_under_load": copy_under_load,
-    "clipping_acc1": runs("clipping_acc1"),
-    "clipping_acc1_streamed": runs("clipping_acc1_streamed"),
-    "clipping_acc1_rerun": runs("clipping_acc1_rerun"),
-    "clipping_acc1_verdict": runs("clipping_acc1_verdict"),
     "hf_trainer": hf_trainer("hf_trainer"),
     "hf_trainer_compiled_gate": hf_trainer("hf_trainer_compiled_gate"),
     "compile_acc8": runs("compile_acc8"),
-    "clipping_acc1_suite": runs("clipping_acc1_suite"),
-    "clipping_acc1_repeat": runs("clipping_acc1_repeat"),
-    "engine_threads_uncapped": runs("engine_threads_uncapped"),
-    "engine_threads_20gb": runs("engine_threads_20gb"),
-    "budget_sweep_contention": budget_sweep("budget_sweep_contention"),
-    "budget_sweep_16gb": budget_sweep("budget_sweep_16gb"),
-    "timeline_planned_16gb": timeline("timeline_planned_16gb"),
-    "timeline_planned_16gb_a4afeb2": timeline("timeline_planned_16gb_a4afeb2"),
-    "timeline_planned_20gb": timeline("timeline_planned_20gb"),
-    "clipping_acc1_commit_order": runs("clipping_acc1_commit_order"),
-    "clipping_bf16": runs("clipping_bf16"),
-    "timeline_clip_none": timeline("timeline_clip_none"),
-    "timeline_clip_1e9": timeline("timeline_clip_1e9"),
-    "clipping_planned_16gb_before": runs("clipping_planned_16gb_before"),
-    "timeline_noclip_15gb": timeline("timeline_noclip_15gb"),
     "clipping_planned_16gb": runs("clipping_planned_16gb"),
-    "timeline_held_clip_none": timeline("timeline_held_clip_none"),
-    "timeline_held_clip_1e9": timeline("timeline_held_clip_1e9"),
-    "clipping_held": runs("clipping_held"),
-    "clipping_held_repeat": runs("clipping_held_repeat"),
-    "clipping_held_wait": runs("clipping_held_wait"),
-    "clipping_every_step": runs("clipping_every_step"),
-    "clipping_every_alternating": runs("clipping_every_alternating"),
-    "clipping_never_alternating": runs("clipping_never_alternating"),
-    "clipping_regimes": runs("clipping_regimes"),
-    "clipping_never_six_rounds": runs("clipping_never_six_rounds"),
-    "timeline_norms_clip_none": timeline("timeline_norms_clip_none"),
-    "timeline_norms_clip_1e9_before": timeline("timeline_norms_clip_1e9_before"),
-    "timeline_norms_clip_1e9_after": timeline("timeline_norms_clip_1e9_after"),
-    "clipping_regimes_warp_norms": runs("clipping_regimes_warp_norms"),
-    "clipping_never_warp_norms": runs("clipping_never_warp_norms"),
-    "host_overhead_cpu": host_overhead("host_overhead_cpu"),
     "clipping_bf16_held": runs("clipping_bf16_held"),
-    "engine_niceness_renice": runs("engine_niceness_renice"),
-    "engine_niceness": runs("engine_niceness"),
-    "engine_niceness_three_rounds": runs("engine_niceness_three_rounds"),
-    "engine_niceness_planned": runs("engine_niceness_planned"),
-    "host_calls": host_calls("host_calls"),
-    "clipping_never_kept_scratch": runs("clipping_never_kept_scratch"),
-    "clipping_never_kept_scratch_four_rounds": runs("clipping_never_kept_scratch_four_rounds"),
-    "timeline_niceness_clip_none": timeline("timeline_niceness_clip_none"),
-    "timeline_niceness_clip_1e9": timeline("timeline_niceness_clip_1e9"),
-    "clipping_regimes_pinned_spare": runs("clipping_regimes_pinned_spare"),
-    "clipping_never_download_norms": runs("clipping_never_download_norms"),
-    "clipping_never_fused_norms": runs("clipping_never_fused_norms"),
-    "clipping_never_one_commit": runs("clipping_never_one_commit"),
     "clipping_never_one_commit_four_rounds": runs("clipping_never_one_commit_four_rounds"),
     "clipping_regimes_one_commit": runs("clipping_regimes_one_commit"),
     "host_calls_one_commit": host_calls("host_calls_one_commit"),
-    "timeline_download_norms_clip_none": timeline("timeline_download_norms_clip_none"),
-    "timeline_download_norms_clip_1e9": timeline("timeline_download_norms_clip_1e9"),
 }
 
 # figure -> results file: train_step.py runs drawn as step time and peak VRAM bars
@@ -660,25 +593,6 @@ def render(name: str, results: Path) -> str:
 
 def update(text: str, results: Path) -> str:
     return MARKER.sub(lambda m: m.group(1) + render(m.group(2), results) + "\n" + m.group(4), text)
-
-
-def plot_runs(runs: list[dict], path: str) -> None:
-    """Step time and peak VRAM of train_step.py's modes as two bar charts, first mode on top."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    done = [r for r in runs if r.get("step_s") is not None][::-1]
-    names = [r["mode"] for r in done]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 0.45 * len(done) + 1.2), sharey=True)
-    a.barh(names, [r["step_s"] for r in done], color="#4472c4")
-    a.set_xlabel("seconds per step")
-    b.barh(names, [r["peak_vram_GB"] for r in done], color="#ed7d31")
-    b.set_xlabel("peak VRAM (GB)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -705,12 +619,9 @@ def main(argv: list[str] | None = None) -> int:
         for figure, name in PLOTS.items():
             plot_runs(load(results, name)["results"], str(root / figure))
             print(f"drew {figure}")
-        sys.path.insert(0, str(ROOT / "benchmarks"))  # (its model code is needed for drawing only)
-        import budget_sweep as sweep
-
         for figure, names in SWEEP_PLOTS.items():
             rows = [r for name in names for r in load(results, name)["results"]]
-            sweep.plot(rows, sorted({r["acc"] for r in rows}), str(root / figure))
+            plot_sweep(rows, sorted({r["acc"] for r in rows}), str(root / figure))
             print(f"drew {figure}")
     unused = sorted(p.stem for p in results.glob("*.json") if p.stem not in READ)
     if args.check:

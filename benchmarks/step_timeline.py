@@ -19,21 +19,16 @@ reads). Without CUDA the model runs on the CPU and only host times are shown.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 
 import torch
-from train_step import (
-    add_model_arguments,
-    add_paging_arguments,
-    build_model,
-    paging_options,
-)
 
 import trainstream
 from trainstream.activations import find_blocks
-from trainstream.testing import causal_lm_loss
+from trainstream.fixtures import causal_lm_loss
+
+from common import add_model_arguments, add_paging_arguments, build_model, paging_options, write_json
 
 MODES = ("gpu-adamw", "trainstream", "trainstream+vramacc", "trainstream+paged", "trainstream+planned")
 
@@ -124,7 +119,7 @@ def run(args) -> dict:
     for _ in range(args.warmup):
         step(lambda name: None)
     finish()
-    engine = opt._pipeline.stats() if base == "trainstream" else None
+    engine = opt.engine.pipeline.stats() if base == "trainstream" else None
     for _ in range(args.steps):
         step(marks)
     finish()
@@ -152,7 +147,7 @@ def run(args) -> dict:
         if opt.plan is not None:
             result["placement"] = opt.describe()
         # the host engine's busy time a timed step: what speculation adds to the host's work shows here
-        now = opt._pipeline.stats()
+        now = opt.engine.pipeline.stats()
         busy, updated = now["busy_seconds"] - engine["busy_seconds"], now["updated_elements"] - engine["updated_elements"]
         result["host_engine"] = {"busy_ms_per_step": 1e3 * busy / args.steps, "elements_per_step": updated / args.steps,
                                  "ns_per_element": 1e9 * busy / updated if updated else None}
@@ -203,8 +198,7 @@ def main(argv=None) -> int:
     result = run(args)
     print_timeline(result)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+        write_json(args.json, result)
     return 0
 
 

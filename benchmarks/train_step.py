@@ -20,13 +20,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import gc
 import json
 import os
 import re
-import shlex
-import socket
 import sys
 import time
 import traceback
@@ -35,87 +32,11 @@ import types
 import torch
 
 import trainstream
-import trainstream._testing as baselines
-from trainstream.testing import causal_lm_loss, llama
+import trainstream.baselines as baselines
+from trainstream.fixtures import causal_lm_loss
 
-from report import medians, plot_runs  # (benchmarks/ is on the path: scripts here import each other)
-
-
-def build_model(args, device) -> torch.nn.Module:
-    """The model of the flags, built on `device` in the weights' dtype (no fp32 copy of a bf16
-    model on the way). In host memory its random values come from `pooled_init`."""
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16 if args.weights == "bf16" else torch.float32)
-    try:
-        with torch.device(device), pooled_init() if device == "cpu" else contextlib.nullcontext():
-            return llama(vocab=args.vocab, hidden=args.hidden, layers=args.layers, heads=args.heads, seq=args.seq,
-                         intermediate=args.intermediate)
-    finally:
-        torch.set_default_dtype(default)
-
-
-@contextlib.contextmanager
-def pooled_init(pool: int = 1 << 24):
-    """Random initialisation at memory speed: torch draws a CPU tensor's random values on one
-    thread (over two minutes for a 6B model, twice over with a module's own init and the
-    model's), so here each draw copies a pool of `pool` values drawn once, tiled. For timing runs
-    of models built in host memory; the values' distribution is the one asked for."""
-    normal = torch.randn(pool)
-    uniform = torch.rand(pool)
-    drawn = {"normal_": torch.Tensor.normal_, "uniform_": torch.Tensor.uniform_}
-
-    def fill(t: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        flat = t.detach().view(-1)
-        whole = flat.numel() // pool * pool
-        if whole:
-            flat[:whole].view(-1, pool).copy_(values.expand(whole // pool, pool))
-        flat[whole:].copy_(values[:flat.numel() - whole])
-        return t
-
-    def normal_(t, mean=0.0, std=1.0, *, generator=None):
-        return fill(t, normal * std + mean) if t.device.type == "cpu" else drawn["normal_"](t, mean, std, generator=generator)
-
-    def uniform_(t, a=0.0, b=1.0, *, generator=None):
-        return fill(t, uniform * (b - a) + a) if t.device.type == "cpu" else drawn["uniform_"](t, a, b, generator=generator)
-
-    torch.Tensor.normal_, torch.Tensor.uniform_ = normal_, uniform_
-    try:
-        yield
-    finally:
-        torch.Tensor.normal_, torch.Tensor.uniform_ = drawn["normal_"], drawn["uniform_"]
-
-
-def deepspeed_config(args, stage: int) -> dict:
-    """DeepSpeed ZeRO-2 with the optimizer offloaded to the host, or ZeRO-3 with the parameters
-    offloaded as well, configured like the other modes (one process on one GPU)."""
-    import deepspeed  # noqa: F401  (skipped when missing)
-
-    if not torch.distributed.is_initialized():  # one process on one GPU; kept for later deepspeed modes
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-        torch.distributed.init_process_group("nccl", device_id=torch.device("cuda", 0))
-    zero = {"stage": stage, "offload_optimizer": {"device": "cpu", "pin_memory": True}}
-    if stage == 3:
-        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
-    return {
-        "train_micro_batch_size_per_gpu": args.batch,
-        "gradient_accumulation_steps": args.acc,
-        "gradient_clipping": args.clip or 0.0,  # DeepSpeed clips at 1.0 unless told otherwise
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}},  # CPU AdamW when offloaded
-        "zero_optimization": zero,
-        "bf16": {"enabled": args.weights == "bf16"},
-        # the engine turns off an outer autocast unless its own config asks for one
-        "torch_autocast": {"enabled": args.autocast, "dtype": "bfloat16"},
-    }
-
-
-def deepspeed_engine(model, config: dict):
-    import deepspeed
-
-    engine, opt, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-    return engine, opt
+from common import (HERE, about, add_model_arguments, add_paging_arguments, build_model, deepspeed_config,
+                    deepspeed_engine, medians, paging_options, plot_runs, write_json)
 
 
 CPUS = sorted(os.sched_getaffinity(0))  # this process's, before any '+pin' mode narrows this thread's
@@ -307,39 +228,6 @@ def run_mode(mode: str, args) -> dict:
     return result
 
 
-def add_model_arguments(ap: argparse.ArgumentParser) -> None:
-    """The model and batch flags (default: the 0.95B Llama at batch 4x1024), --acc and --weights."""
-    ap.add_argument("--hidden", type=int, default=2048)
-    ap.add_argument("--layers", type=int, default=16)
-    ap.add_argument("--heads", type=int, default=16)
-    ap.add_argument("--intermediate", type=int, default=5632)
-    ap.add_argument("--vocab", type=int, default=32000)
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--seq", type=int, default=1024)
-    ap.add_argument("--acc", type=int, default=1)
-    ap.add_argument("--weights", choices=["fp32", "bf16"], default="fp32",
-                    help="fp32 weights under bf16 autocast, or bf16 weights")
-
-
-def add_paging_arguments(ap: argparse.ArgumentParser) -> None:
-    """How the trainstream+paged and +auto modes page activations (see paging_options)."""
-    ap.add_argument("--activations", default="auto",
-                    type=lambda text: text if text in ("auto", "off") else float(text),
-                    help="for the trainstream+paged mode: 'auto' or a share in [0, 1]")
-    ap.add_argument("--vram-budget", default=None, help="for trainstream+paged: e.g. 6GB")
-    ap.add_argument("--prefetch-depth", type=int, default=1,
-                    help="for trainstream+paged/+auto: blocks prefetched ahead in backward")
-
-
-def paging_options(variant: str, args) -> dict:
-    """wrap()'s activation arguments for a trainstream mode's variant ('paged', 'auto' or other)."""
-    if variant == "paged":
-        return {"activations": args.activations, "vram_budget": args.vram_budget}
-    if variant == "auto":
-        return {"activations": "auto"}
-    return {"activations": "off"}
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_model_arguments(ap)
@@ -396,7 +284,7 @@ def main(argv=None) -> int:
             results.append({"mode": mode, "skipped": f"not installed ({exc.name})"})
         except torch.OutOfMemoryError as exc:  # where, and the allocator's figures, for the record
             where = [f for f in traceback.extract_tb(exc.__traceback__) if "trainstream" in f.filename
-                     or "train_step" in f.filename or "transformers" in f.filename][-4:]
+                     or os.path.dirname(os.path.abspath(f.filename)) == HERE or "transformers" in f.filename][-4:]
             results.append({"mode": mode, "error": "out of memory", "when": getattr(exc, "when", "set-up"),
                             "detail": str(exc).split("See documentation")[0].strip(),
                             "at": [f"{f.name} ({os.path.basename(f.filename)}:{f.lineno})" for f in where]})
@@ -428,29 +316,10 @@ def main(argv=None) -> int:
     record = {"about": about(argv), "args": vars(args), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
               "trainstream": trainstream.__version__, "results": results}
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(record, f, indent=1)
+        write_json(args.json, record)
     if args.plot:
         plot_runs(results, args.plot)  # the drawing report.py redraws the docs' figures with
     return 0
-
-
-def about(argv) -> dict:
-    """When, on what (the GPU, if any, and the CPU) and by which command a run was made: report.py's
-    caption for its table."""
-    cpu = "unknown CPU"
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    script = os.path.relpath(sys.argv[0]) if sys.argv and sys.argv[0].endswith(".py") else "benchmarks/train_step.py"
-    return {"date": datetime.date.today().isoformat(),
-            "hardware": (f"{torch.cuda.get_device_name()}, " if torch.cuda.is_available() else "")
-            + f"{len(os.sched_getaffinity(0))} cores of {cpu}",
-            "software": f"torch {torch.__version__}" + (f", CUDA {torch.version.cuda}" if torch.version.cuda else "")
-            + f", trainstream {trainstream.__version__}",
-            "command": shlex.join(["python", script, *(sys.argv[1:] if argv is None else argv)])}
 
 
 if __name__ == "__main__":

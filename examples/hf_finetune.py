@@ -24,7 +24,7 @@ import torch
 import transformers
 
 from trainstream.integrations.huggingface import TrainStreamTrainer
-from trainstream.testing import RandomTokens
+from trainstream.fixtures import RandomTokens
 
 
 def load_model(args) -> transformers.PreTrainedModel:

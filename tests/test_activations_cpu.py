@@ -16,8 +16,9 @@ from torch.utils.checkpoint import checkpoint
 import trainstream
 from trainstream.activations import light
 from trainstream.activations import pager as activation_pager
-from trainstream.activations import Plan, Profile, find_blocks, parse_bytes, plan_paging
-from trainstream.testing import TinyLM
+from trainstream.activations import Plan, Profile, find_blocks, plan_paging
+from trainstream.units import parse_bytes
+from trainstream.fixtures import TinyLM
 
 
 @pytest.fixture(autouse=True)
@@ -243,7 +244,7 @@ class DropNet(ViewNet):
 @pytest.mark.parametrize("paged", [1, 3], ids=["inputs-kept", "inputs-paged"])
 def test_recomputed_blocks_are_bit_exact_and_prefetch_the_paged_ones(paged):
     def recompute_three(pager):  # block 0 paged; blocks 1 to 3 recomputed, the inputs of those < paged paged
-        pager._apply_plan(Plan(paged, 3, "test", recomputed=(1, 2, 3)))
+        pager.apply_plan(Plan(paged, 3, "test", recomputed=(1, 2, 3)))
 
     ref, _, ref_losses = run(DropNet, activations="off")
     model, opt, losses = run(DropNet, activations=1.0, setup=recompute_three)
@@ -263,7 +264,7 @@ def test_recomputed_blocks_are_bit_exact_and_prefetch_the_paged_ones(paged):
 @pytest.mark.parametrize("paged", [1, 3], ids=["inputs-kept", "inputs-paged"])
 def test_lightly_recomputed_blocks_are_bit_exact_and_keep_their_matmuls_outputs(paged):
     def light_three(pager):  # as above, the three blocks recomputed lightly (light.py)
-        pager._apply_plan(Plan(paged, 3, "test", light=(1, 2, 3)))
+        pager.apply_plan(Plan(paged, 3, "test", light=(1, 2, 3)))
 
     ref, _, ref_losses = run(DropNet, activations="off")
     model, opt, losses = run(DropNet, activations=1.0, setup=light_three)
@@ -411,7 +412,7 @@ def test_blocks_that_update_a_cache_are_not_recomputed():
     model, ref = CacheNet(), CacheNet()
     ref.load_state_dict(model.state_dict())
     pager = activation_pager.ActivationPager(model, device=torch.device("cpu"), share=0.0, vram_budget=None)
-    pager._apply_plan(Plan(0, 2, "test", recomputed=(1, 2)))
+    pager.apply_plan(Plan(0, 2, "test", recomputed=(1, 2)))
     x = torch.randn(64, 48)
     cache = []
     with pytest.warns(UserWarning, match="use_cache=False"):
@@ -440,7 +441,7 @@ def test_storage_saved_twice_is_paged_once():
 def test_slots_are_reused_every_step():
     model = ViewNet()
     model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters()), activations=1.0)
-    native = opt.activation_pager._native
+    native = opt.activation_pager.native
     seen = []
     for _ in range(6):
         model(torch.randn(64, 48)).backward()
@@ -458,7 +459,7 @@ def test_no_paging_outside_blocks_or_under_no_grad():
     model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters()), activations=1.0)
     with torch.no_grad():
         model(torch.randn(64, 48))
-    assert opt.activation_pager._native.stats()["paged_out_bytes"] == 0
+    assert opt.activation_pager.native.stats()["paged_out_bytes"] == 0
 
 
 def test_autocast_weight_casts_are_recomputed_bit_exactly():
@@ -706,7 +707,7 @@ def test_hugging_face_llama_under_autocast_pages_bit_exactly(recompute):
             opt.activation_pager.min_bytes = 0  # page this small model's activations too
             if recompute:  # layer 0 paged, layers 1 and 2 recomputed (with the layers' keyword arguments)
                 ways = {"light": (1, 2)} if recompute == "light" else {"recomputed": (1, 2)}
-                opt.activation_pager._apply_plan(Plan(1, 2, "test", **ways))
+                opt.activation_pager.apply_plan(Plan(1, 2, "test", **ways))
         g = torch.Generator().manual_seed(1)
         losses = []
         for _ in range(3):

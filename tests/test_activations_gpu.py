@@ -8,7 +8,7 @@ import torch
 
 import trainstream
 from trainstream.activations import ActivationPager, Plan
-from trainstream.testing import TinyLM
+from trainstream.fixtures import TinyLM
 
 pytestmark = pytest.mark.gpu
 
@@ -30,7 +30,7 @@ def train_with_pager(dtype, share, steps=5, dim=512, layers=6, batch=8, plan=Non
     model = tiny(dtype, dim, layers)
     pager = None if share is None else ActivationPager(model, device=DEVICE, share=share, vram_budget=None)
     if plan is not None:
-        pager._apply_plan(plan)
+        pager.apply_plan(plan)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     history, peaks = [], []
     before = torch.cuda.memory_allocated()  # what an earlier run still holds
@@ -84,7 +84,7 @@ def test_no_leak_over_100_steps():
     model = tiny(torch.float32)
     model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-4), activations=1.0,
                                   tuning=trainstream.Tuning(placement="offload"))
-    native = opt.activation_pager._native
+    native = opt.activation_pager.native
     allocated, slots, reserved = [], [], []
     for step in range(100):
         with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -176,7 +176,7 @@ def test_huggingface_llama_with_attention_mask_is_bit_exact(recompute):
         model = transformers.LlamaForCausalLM(config).to(DEVICE)
         pager = None if share is None else ActivationPager(model, device=DEVICE, share=share, vram_budget=None)
         if pager is not None and recompute:  # layers 0 and 1 paged, 2 and 3 recomputed (with keyword arguments)
-            pager._apply_plan(Plan(2, 3, "test", **{"light" if recompute == "light" else "recomputed": (2, 3)}))
+            pager.apply_plan(Plan(2, 3, "test", **{"light" if recompute == "light" else "recomputed": (2, 3)}))
         ids = tokens(0, batch=4, seq=256)
         mask = torch.ones_like(ids)
         mask[:, :17] = 0  # left padding

@@ -13,7 +13,7 @@ from torch import nn
 
 import trainstream
 from trainstream.errors import UnsupportedSetupError
-from trainstream.testing import TinyLM, param_groups
+from trainstream.fixtures import TinyLM, param_groups
 
 STEPS = 4
 
@@ -73,7 +73,7 @@ def train(order: str, device: str, backend: str | None = None, size: dict | None
         opt.zero_grad()
         losses.append(loss.item())
     opt.synchronize()
-    return losses, [p.detach().float().clone() for p in model.parameters()], opt
+    return losses, [p.detach().float().clone() for p in model.parameters()], opt, model
 
 
 @pytest.mark.parametrize("order", ["before", "after", "model in place, before", "blocks in place, before",
@@ -88,18 +88,23 @@ def test_compiled_model_trains_as_the_eager_one_on_cpu(order, placement):
     assert compiled[2].last_grad_norm == pytest.approx(eager[2].last_grad_norm, rel=1e-4)
     # no forward hook of ours inside compiled code (each would cut its graph): a compiled model waits
     # for the uploads once, when its forward starts; a compiled block, when it starts
-    gated = _gated_modules(compiled[2])
+    gated = _gated_modules(compiled[3])
     if order.startswith("blocks"):
-        blocks = list(compiled[2]._model.blocks)
+        blocks = list(_root(compiled[3]).blocks)
         inside = {id(m) for b in blocks for m in b.modules() if m is not b}
         assert all(b in gated for b in blocks) and not any(id(m) in inside for m in gated)
     else:
         assert gated == []
-    assert len(_gated_modules(eager[2])) > len(eager[2]._model.blocks)
+    assert len(_gated_modules(eager[3])) > len(eager[3].blocks)
 
 
-def _gated_modules(opt) -> list:
-    root = getattr(opt._model, "_orig_mod", opt._model)
+def _root(model):
+    """The model a torch.compile wrapper wraps, or the model itself."""
+    return getattr(model, "_orig_mod", model)
+
+
+def _gated_modules(model) -> list:
+    root = _root(model)
     return [m for m in root.modules() if m is not root and m._forward_pre_hooks]
 
 
@@ -142,10 +147,10 @@ def test_compiling_after_eager_windows_is_checked_and_moves_the_gates():
 
     for _ in range(2):
         window(model)
-    assert len(_gated_modules(opt)) > len(model.blocks)
+    assert len(_gated_modules(model)) > len(model.blocks)
     compiled = torch.compile(model, backend="aot_eager")
     window(compiled)
-    assert _gated_modules(opt) == []  # the compiled model now waits once, at its start
+    assert _gated_modules(model) == []  # the compiled model now waits once, at its start
     window(compiled)
     model.blocks[1].compile(mode="reduce-overhead")
     with pytest.raises(UnsupportedSetupError, match="reduce-overhead"):

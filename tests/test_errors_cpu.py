@@ -94,7 +94,7 @@ def test_every_error_is_in_the_troubleshooting_table():
 
 
 def test_host_memory_refusal_is_a_host_memory_error(monkeypatch):
-    from trainstream.testing import TinyLM
+    from trainstream.fixtures import TinyLM
 
     monkeypatch.setattr(_C, "host_memory_available", lambda: 1000)  # bytes, as wrap() reads them
     model = TinyLM()

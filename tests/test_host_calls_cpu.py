@@ -23,11 +23,11 @@ def test_every_gradient_is_taken_once_and_a_norm_that_never_clips_commits_every_
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     calls = {r["call"]: r["calls_per_step"] for r in json.loads(out.read_text())["rows"]}
-    assert calls["_take"] == calls["pipeline.land_gradient"] == PARAMS
+    assert calls["gradient_hooks.take"] == calls["[gradient hooks]"] == calls["pipeline.land_gradient"] == PARAMS
     assert calls["[step() call]"] == 1
     if clip:  # measured on the device as they arrive, speculated, and all committed at step() in one call
         assert calls["norms.add"] == PARAMS
-        assert calls["_commit"] == calls["pipeline.commit"] == 1
+        assert calls["clipping.commit"] == calls["pipeline.commit"] == 1
         assert "pipeline.submit_many" not in calls
     else:  # updated as they arrive: nothing measured or committed
-        assert "norms.add" not in calls and "_commit" not in calls
+        assert "norms.add" not in calls and "clipping.commit" not in calls

@@ -20,7 +20,7 @@ import torch
 
 import trainstream
 from trainstream import placement as planner
-from trainstream.testing import TinyLM, param_groups, warmup_cosine
+from trainstream.fixtures import TinyLM, param_groups, warmup_cosine
 
 GB = 10**9
 
@@ -369,10 +369,10 @@ def test_a_budget_the_activations_must_meet_pages_or_recomputes_and_trains_the_s
     assert {"paged", "recomputed", "recomputed lightly"} & set(report["blocks"])
     if tuning.get("recompute") is False:
         assert not opt.plan.recomputed and not opt.plan.light
-    offered = [b.light_bytes is not None for b in opt._profile.blocks]
+    offered = [b.light_bytes is not None for b in opt.profile.blocks]
     assert offered == [light] * 3
     if light:  # each block keeps its matmuls' outputs: less than all its activations, more than none
-        assert all(0 < b.light_bytes < b.bytes + b.cast_bytes and b.light_s > 0 for b in opt._profile.blocks)
+        assert all(0 < b.light_bytes < b.bytes + b.cast_bytes and b.light_s > 0 for b in opt.profile.blocks)
     assert "paged" not in report["blocks"] or report["saved_tensor_hooks"]
     ref, ref_opt = big()
     ref, ref_opt = trainstream.wrap(ref, ref_opt, max_grad_norm=1.0,
@@ -474,12 +474,12 @@ def test_the_profile_measures_the_hooks_host_time_less_their_paging():
     train(model, opt, batches(3, 1), 1.0)
     figures = pager.last  # the profiled step's (the profile pages every block but the last)
     assert 0 < figures.paging_seconds < figures.hook_seconds
-    recasts = opt._profile.hook_s - (figures.hook_seconds - figures.paging_seconds)
+    recasts = opt.profile.hook_s - (figures.hook_seconds - figures.paging_seconds)
     assert 0 <= recasts < 1e-3  # the device's recasts, estimated from their bytes
     # a plan that pages nothing skips the kept tensors' bookkeeping: it is measured, and left out
     assert 0 < figures.keeping_seconds < figures.hook_seconds
-    lean = opt._profile.hook_s - figures.keeping_seconds
-    assert opt._profile.lean_hook_s == pytest.approx(max(lean, recasts), abs=1e-12)
+    lean = opt.profile.hook_s - figures.keeping_seconds
+    assert opt.profile.lean_hook_s == pytest.approx(max(lean, recasts), abs=1e-12)
 
 
 def test_a_blocks_recompute_is_rated_by_its_share_of_the_replayed_forward(monkeypatch):
@@ -490,7 +490,7 @@ def test_a_blocks_recompute_is_rated_by_its_share_of_the_replayed_forward(monkey
     model, opt = trainstream.wrap(model, opt, max_grad_norm=1.0, vram_budget=10 * weights)
     opt.activation_pager.min_bytes = 0
     train(model, opt, batches(3, 1), 1.0)
-    profile = opt._profile
+    profile = opt.profile
     spans = profiler.block_spans([p.need_s for p in profile.params], [p.block for p in profile.params],
                                  len(profile.blocks), profile.forward_s)
     assert spans[0] is None and all(span > 0 for span in spans[1:])  # (block 0 is frozen)
@@ -502,7 +502,7 @@ def test_a_blocks_recompute_is_rated_by_its_share_of_the_replayed_forward(monkey
     model, opt = trainstream.wrap(model, opt, max_grad_norm=1.0, vram_budget=10 * weights)
     opt.activation_pager.min_bytes = 0
     train(model, opt, batches(3, 1), 1.0)
-    assert opt._profile.blocks and all(b.recompute_s is None for b in opt._profile.blocks)
+    assert opt.profile.blocks and all(b.recompute_s is None for b in opt.profile.blocks)
 
 
 def test_hooks_that_page_nothing_cost_their_lean_time():
@@ -530,7 +530,7 @@ def test_a_re_plan_recomputes_after_a_plan_that_needed_no_hooks():
     model, opt = trainstream.wrap(model, opt, max_grad_norm=1.0, vram_budget=100 * weights)
     train(model, opt, data[:3], 1.0)
     assert opt.plan is not None and opt.activation_pager is None  # everything kept: no hooks
-    opt._apply(replace(opt.plan, recomputed=(1,)))
+    opt.promotion.apply(replace(opt.plan, recomputed=(1,)))
     assert opt.report()["placement"]["blocks"] == ["kept", "recomputed", "kept"]
     pager = opt.activation_pager
     assert pager is not None and "forward" in model.blocks[1].__dict__
@@ -628,7 +628,7 @@ def test_light_recompute_is_not_offered_to_a_compiled_model():
     block = model.blocks[1]
     block._compiled_call_impl = block._call_impl  # what nn.Module.compile() leaves, without the compiling
     train(model, opt, batches(3, 1), 1.0)
-    assert opt._profile.blocks and all(b.light_bytes is None for b in opt._profile.blocks)
+    assert opt.profile.blocks and all(b.light_bytes is None for b in opt.profile.blocks)
 
 
 def test_blocks_that_must_not_run_twice_are_never_recomputed():
@@ -673,4 +673,4 @@ def test_blocks_that_write_into_their_matmuls_outputs_are_not_offered_light_reco
         model(torch.randn(8, 64)).backward()
         opt.step()
         opt.zero_grad()
-    assert opt._profile.blocks and all(b.light_bytes is None for b in opt._profile.blocks)
+    assert opt.profile.blocks and all(b.light_bytes is None for b in opt.profile.blocks)

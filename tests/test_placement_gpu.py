@@ -14,7 +14,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import trainstream
 from trainstream import _C
-from trainstream.testing import TinyLM, param_groups, warmup_cosine
+from trainstream.fixtures import TinyLM, param_groups, warmup_cosine
 
 pytestmark = pytest.mark.gpu
 

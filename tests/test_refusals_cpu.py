@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import trainstream
-from trainstream.testing import TinyLM
+from trainstream.fixtures import TinyLM
 
 
 @pytest.fixture

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 import trainstream
-from trainstream.optimizer import OffloadedAdamW
-from trainstream.testing import TinyLM, param_groups
+from trainstream.baselines import keep_terms_on_host
+from trainstream.fixtures import TinyLM, param_groups
+from trainstream.slots import Engine
 
 # max_grad_norm per step: hits, a mispredicted clip (miss), a wait after it, hits again
 THRESHOLDS = [1e9, 1e9, 1e-3, 1e-3, 1e9, 1e9, 1e9]
@@ -30,13 +31,13 @@ def run(*, speculate: bool, acc: int = 1, dtype=torch.float32, placement="offloa
                                   tuning=trainstream.Tuning(placement=placement, accumulate_in_vram=in_vram))
     opt.speculative_clipping = speculate
     if not hold_terms:
-        opt._hold_terms = False
+        keep_terms_on_host(opt)
     opt.verdicts = []
     if engine_waits:
-        land = opt._land_verdict
-        opt._land_verdict = lambda *args: opt.verdicts.append(1) or land(*args)
+        land = opt.clipping.land_verdict
+        opt.clipping.land_verdict = lambda *args: opt.verdicts.append(1) or land(*args)
     else:
-        opt._verdict_on_device = lambda: False
+        opt.clipping.verdict_on_device = lambda: False
     g = torch.Generator(device=device).manual_seed(1)
     losses, norms = [], []
     for threshold in thresholds:
@@ -88,7 +89,7 @@ def test_speculation_gives_the_waiting_paths_bits(acc, dtype, in_vram, placement
     assert spec["params"] > 0 and spec["host_bytes"] > 0
     # fp32 terms await the verdict in their gradients' memory, unless told otherwise
     assert (spec["terms_held"] > 0) == (dtype == torch.float32 and hold)
-    assert not speculating[4]._holding  # (synchronize() gave that memory back)
+    assert not speculating[4].clipping.holds_terms()  # (synchronize() gave that memory back)
     # steps 1-2 hit, 3 misses (predicted no clip), 4 waits (3 clipped), 5 waits (4 clipped), 6-7 hit
     assert (spec["hits"], spec["misses"], spec["waited"]) == (4, 1, 2)
     assert waiting[4].report()["speculation"]["hits"] == 0
@@ -173,7 +174,7 @@ def test_with_host_memory_for_some_second_sets_those_speculate_and_the_rest_wait
     model = TinyLM()
     last = list(model.parameters())[-3:]  # the first three gradients to arrive
     room = sum(p.numel() * 8 for p in last)  # fp32 weights: two moments
-    monkeypatch.setattr(OffloadedAdamW, "_host_room", staticmethod(lambda: room))
+    monkeypatch.setattr(Engine, "host_room", staticmethod(lambda: room))
     speculating = run(speculate=True)
     spec = speculating[4].report()["speculation"]
     total = len(list(model.parameters()))
@@ -230,12 +231,13 @@ def test_a_verdict_that_lands_during_forward_decides_whether_backward_speculates
     # As on a GPU whose verdict download finishes after the next forward has begun: not landed at
     # forward, landed by the first gradient of backward.
     verdict = type("Verdict", (), {"landed": False, "commits": False})()
-    opt._verdict, opt._last_unclipped = (verdict, True, True), True
+    opt.clipping.expect(verdict, speculated=True, speculates=True)
+    opt.clipping.last_unclipped = True
     loss = model.loss(tokens)
-    assert opt._verdict is not None  # forward found it still on its way
+    assert opt.clipping.verdict_pending  # forward found it still on its way
     verdict.landed = True
     loss.backward()
-    assert opt._verdict is None and not any(s.speculated for s in opt._order)
+    assert not opt.clipping.verdict_pending and not any(s.speculated for s in opt.slots.order)
     opt.step()
     opt.zero_grad()
     spec = opt.report()["speculation"]
@@ -267,11 +269,11 @@ def test_host_memory_that_runs_out_while_second_sets_are_taken_leaves_the_rest_w
     opt = torch.optim.AdamW(param_groups(model), lr=3e-3, betas=(0.9, 0.95))
     model, opt = trainstream.wrap(model, opt, max_grad_norm=THRESHOLDS[0],
                                   tuning=trainstream.Tuning(placement="offload", speculative_clipping=False))
-    pipeline = opt._pipeline
-    opt._pipeline = _PinningRunsOut(pipeline, left=3)
+    pipeline = opt.engine.pipeline
+    opt.engine.pipeline = _PinningRunsOut(pipeline, left=3)
     with caplog.at_level("WARNING", logger="trainstream"):
         opt.speculative_clipping = True
-    opt._pipeline = pipeline
+    opt.engine.pipeline = pipeline
     total = len(list(model.parameters()))
     assert opt.speculation["params"] == 3
     assert f"the other {total - 3} wait for it" in opt.describe()

@@ -20,7 +20,7 @@ from trainstream import placement as planner
 from trainstream.activations import pager as activation_pager
 from trainstream.activations.plan import Plan
 from trainstream.errors import UnsupportedSetupError
-from trainstream.testing import TinyLM, param_groups
+from trainstream.fixtures import TinyLM, param_groups
 
 GB = 10**9
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -116,7 +116,7 @@ def test_only_the_prefetch_window_is_on_the_device(device):
     seen = []
 
     def watch(model, opt):
-        streamer = opt._streamer
+        streamer = opt.promotion.streamer
         block_bytes = streamer.weight_bytes // 4
         for block in model.blocks:
             block.register_forward_pre_hook(lambda *_: seen.append(streamer.resident_bytes() / block_bytes))
@@ -125,7 +125,7 @@ def test_only_the_prefetch_window_is_on_the_device(device):
     model, opt, _ = train(base, device, streamed=4, steps=2, setup=watch)
     # at each block's start: it and the next one (prefetch depth 1); in backward: two at most
     assert seen and max(seen) <= 2
-    streamer = opt._streamer
+    streamer = opt.promotion.streamer
     # between steps every streamed weight is in host memory, and the parameter holds it there
     assert streamer.resident_bytes() == 0
     for block in model.blocks[1:]:
@@ -141,8 +141,8 @@ def test_blocks_streamed_later_join_in_forward_order():
     seen = []
 
     def more_later(model, opt):  # as the planner does after profiling: earlier blocks join the streamed ones
-        opt._stream([model.blocks[1], model.blocks[2]])
-        streamer = opt._streamer
+        opt.promotion.stream([model.blocks[1], model.blocks[2]])
+        streamer = opt.promotion.streamer
         assert streamer.modules == list(model.blocks[1:])
         for block in model.blocks:
             block.register_forward_pre_hook(lambda *_: seen.append(streamer.resident_bytes()))
@@ -150,7 +150,7 @@ def test_blocks_streamed_later_join_in_forward_order():
     kept = train(base, "cpu", streamed=0, steps=2)
     streamed = train(base, "cpu", streamed=2, steps=2, setup=more_later)
     assert_same_training(kept, streamed)
-    assert max(seen) <= 2 * block_bytes_of(base) and streamed[1]._streamer.copies == 2 * 7
+    assert max(seen) <= 2 * block_bytes_of(base) and streamed[1].promotion.streamer.copies == 2 * 7
 
 
 def block_bytes_of(model) -> int:
@@ -164,13 +164,13 @@ def test_a_recomputed_block_uses_one_copy_for_its_recompute_and_backward(device,
     base = TinyLM(layers=4)
 
     def recompute(model, opt):  # blocks 1 to 3 recomputed in backward (whole, or lightly)
-        opt.activation_pager._apply_plan(Plan(0, 4, "test", **{how: (1, 2, 3)}))
+        opt.activation_pager.apply_plan(Plan(0, 4, "test", **{how: (1, 2, 3)}))
 
     kwargs = dict(wrap_kwargs={"activations": 1.0}, setup=recompute)
     kept = train(base, device, streamed=0, **kwargs)
     streamed = train(base, device, streamed=3, **kwargs)
     assert_same_training(kept, streamed)
-    assert streamed[1]._streamer.copies == 3 * (3 + 2)
+    assert streamed[1].promotion.streamer.copies == 3 * (3 + 2)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -214,7 +214,7 @@ def test_forwards_without_backward_and_remove_hooks(device):
     tokens = torch.randint(0, 97, (2, 17)).to(device)
     with torch.no_grad():
         evaluated = model.loss(tokens)
-    assert opt._streamer.resident_bytes() == 0
+    assert opt.promotion.streamer.resident_bytes() == 0
     model.loss(tokens)  # with autograd, never backward: the next step still trains
     loss = model.loss(tokens)
     loss.backward()

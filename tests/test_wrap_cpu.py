@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import trainstream
-from trainstream._testing import engine_threads_since, gate_every_forward, thread_names
-from trainstream.testing import TinyLM, param_groups, warmup_cosine
+from trainstream.baselines import engine_threads_since, gate_every_forward, thread_names
+from trainstream.fixtures import TinyLM, param_groups, warmup_cosine
 
 STEPS = 20
 
@@ -133,7 +133,7 @@ def test_bf16_exact_gradients_cross_as_bf16_without_changing_a_bit(acc, in_vram,
         assert torch.equal(p, q)
         for key in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(opt.state[p][key], plain_opt.state[q][key])
-    packs = {n: opt._slots[p].host.last_gradient_as_bf16 for n, p in packed.named_parameters()}
+    packs = {n: opt.slots[p].host.last_gradient_as_bf16 for n, p in packed.named_parameters()}
     share = opt.report()["gradients_sent_as_bf16"]
     if in_vram:
         assert not any(packs.values()) and share == 0.0
@@ -151,11 +151,11 @@ def test_gradients_are_not_packed_when_paging_is_asked_for():
     for activations, packs in (("off", True), (0.0, True), (0.5, False)):
         model, opt = make()
         model, opt = trainstream.wrap(model, opt, activations=activations)
-        assert opt._pipeline.pack_gradients is packs, activations
+        assert opt.engine.pipeline.pack_gradients is packs, activations
         opt.pack_gradients = False
-        assert opt._pipeline.pack_gradients is False
+        assert opt.engine.pipeline.pack_gradients is False
         opt.pack_gradients = True
-        assert opt._pipeline.pack_gradients is packs
+        assert opt.engine.pipeline.pack_gradients is packs
 
 
 def test_forward_gates_stand_down_once_settled_and_return_with_the_next_update():
@@ -183,7 +183,7 @@ def test_forward_gates_stand_down_once_settled_and_return_with_the_next_update()
         def __getattr__(self, name):
             return getattr(self.inner, name)
 
-    opt._pipeline = Spy(opt._pipeline)
+    opt.engine.pipeline = Spy(opt.engine.pipeline)
     modules = sum(1 for m in model.modules() if any(True for _ in m.parameters(recurse=False)))
 
     def pre_hooks() -> int:  # the gates, and the root's own check
@@ -198,7 +198,7 @@ def test_forward_gates_stand_down_once_settled_and_return_with_the_next_update()
             before = len(gated)
             loss = model.loss(tokens) / 4
             calls.append(len(gated) - before)
-            on.append(opt._gates_on)
+            on.append(opt.gates.on)
             loss.backward()
         return calls, on
 
@@ -210,7 +210,7 @@ def test_forward_gates_stand_down_once_settled_and_return_with_the_next_update()
     # Settled: the gates stand down at the first forward of the window...
     assert window() == ([0, 0, 0, 0], [False] * 4)
     # ...and the last backward, which queued the updates, woke them.
-    assert opt._gates_on
+    assert opt.gates.on
     opt.step()
     opt.synchronize()
     gate_every_forward(opt)  # the benchmarks' baseline: gates stay awake and every forward waits
@@ -313,7 +313,7 @@ def test_a_state_dict_outlives_its_optimizer():
     train(model, opt, data, wrapped=True)
     kept = opt.state_dict()
     snapshot = copy.deepcopy(kept)
-    buffers_owner = weakref.ref(opt._pipeline)
+    buffers_owner = weakref.ref(opt.engine.pipeline)
     opt.remove_hooks()
     del model, opt
     gc.collect()

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import trainstream
-from trainstream._testing import stage_update_terms
-from trainstream.testing import TinyLM, param_groups, warmup_cosine
+from trainstream.baselines import stage_update_terms
+from trainstream.fixtures import TinyLM, param_groups, warmup_cosine
 
 pytestmark = pytest.mark.gpu
 
@@ -94,7 +94,7 @@ def test_forward_gates_come_off_only_once_uploads_have_finished():
     and each queued update puts them back. Training stays exact throughout."""
     acc = 2
     model, opt, ref, ref_opt = setup(torch.float32, None, acc, in_vram=True)
-    upload_stream = opt._streams[1]
+    upload_stream = opt.engine.streams[1]
 
     def micro_batch(i: int) -> None:
         with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -102,24 +102,24 @@ def test_forward_gates_come_off_only_once_uploads_have_finished():
         loss.backward()
 
     micro_batch(0)  # nothing was ever uploaded: settled from the start
-    assert not opt._gates_on
+    assert not opt.gates.on
     for step in range(3):
         if step == 1:  # hold this window's uploads behind half a second of GPU sleep
             with torch.cuda.stream(upload_stream):
                 torch.cuda._sleep(1 << 30)
         micro_batch(2 * step + 1)
-        assert opt._gates_on  # the last backward queued the updates
+        assert opt.gates.on  # the last backward queued the updates
         opt.step()
         ref_opt.step()
         opt.zero_grad()
         ref_opt.zero_grad()
-        opt._pipeline.synchronize()  # host work done, uploads issued
-        settled = opt._pipeline.settled(opt._hosts)
+        opt.engine.pipeline.synchronize()  # host work done, uploads issued
+        settled = opt.engine.pipeline.settled(opt.gates.hosts)
         micro_batch(2 * step + 2)
         if step == 1:
-            assert not settled and opt._gates_on
+            assert not settled and opt.gates.on
         torch.cuda.synchronize()
-        assert opt._pipeline.settled(opt._hosts)
+        assert opt.engine.pipeline.settled(opt.gates.hosts)
     opt.step()
     ref_opt.step()
     opt.synchronize()

@@ -30,7 +30,7 @@ import torch
 
 import trainstream
 from trainstream.errors import VramBudgetError
-from trainstream.testing import TinyLM, causal_lm_loss, llama, param_groups, warmup_cosine
+from trainstream.fixtures import TinyLM, causal_lm_loss, llama, param_groups, warmup_cosine
 
 # Peak learning rate (after a linear warmup over the first fifth of the steps, then cosine decay);
 # the GPU's 32000-token Llama is unstable at the small CPU model's rate, and a run that diverges

@@ -80,7 +80,7 @@ class DataParallel:
         self.rank = dist.get_rank(self.group)
         self.world = dist.get_world_size(self.group)
         self.owners = owners  # per trainable parameter, in forward order (partition())
-        self._optimizer = None  # detached by remove_hooks(): the hook then only all-reduces
+        self._take = None  # where reduced gradients go; None after remove_hooks(): the hook only all-reduces
         self._lock = threading.Lock()  # gloo may complete two buckets' futures on two threads
         _register_exit_grace()
         try:
@@ -91,19 +91,20 @@ class DataParallel:
                 f"TrainStream needs its own: wrap the DDP model before registering a communication hook "
                 f"and before its first backward, and do not register another one.") from e
 
-    def attach(self, optimizer) -> None:
-        self._optimizer = optimizer
+    def attach(self, take) -> None:
+        """Reduced gradients go to `take(param, grad)` from now on."""
+        self._take = take
 
     def detach(self) -> None:
-        self._optimizer = None
+        self._take = None
 
     def hand_over(self, params: list, grads: list) -> None:
-        optimizer = self._optimizer
-        if optimizer is None:
+        take = self._take
+        if take is None:
             return
         with self._lock:
             for param, grad in zip(params, grads):
-                optimizer._on_reduced(param, grad)
+                take(param, grad)
 
     def broadcast(self, param: torch.Tensor, owner: int):
         """Queues the broadcast of `owner`'s copy of `param` to every rank (every rank queues the same

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import os
 import re
+from dataclasses import replace
 
 import torch
 
 from trainstream._native import _C, require_cuda_build
-from trainstream.activations import ActivationPager, parse_bytes
+from trainstream.activations import ActivationPager
 from trainstream.activations.plan import find_blocks
 from trainstream.distributed import (DataParallel, Sharded, check_ddp, check_fsdp2, data_parallel_of, fsdp2_root,
                                      local_shard, partition)
@@ -16,8 +17,10 @@ from trainstream.errors import (HostMemoryError, UnsupportedSetupError, VramBudg
                                 check_not_distributed, check_optimizer, check_weight_dtype)
 from trainstream.optimizer import OffloadedAdamW, resident_at_start, wrapped_by
 from trainstream.placement import last_streamable, reserve_for, share_or_floor, weights_on_device
+from trainstream.slots import Engine
 from trainstream.streaming import shared_outside
 from trainstream.tuning import Tuning
+from trainstream.units import parse_bytes
 
 _GIB = 1 << 30
 # Left out of the default budget for what torch's allocator holds beyond the allocated bytes: a
@@ -101,7 +104,6 @@ def wrap(
     tuning = Tuning() if tuning is None else tuning
     if not isinstance(tuning, Tuning):
         raise TypeError(f"tuning must be a trainstream.Tuning, got {type(tuning).__name__}")
-    placement, accumulate_in_vram = tuning.placement, tuning.accumulate_in_vram
 
     trainable = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
     if not trainable:
@@ -113,7 +115,7 @@ def wrap(
         check_ddp(ddp, tuning)
     elif sharded:  # each rank offloads the shards it holds
         check_fsdp2(model, trainable, tuning, activations, vram_budget)
-        placement, activations = "offload", "off"
+        tuning, activations = replace(tuning, placement="offload", light_recompute=False), "off"
     check_compile_mode(model)
     if any(wrapped_by(p) is not None for p in list(model.parameters()) + trainable):
         raise UnsupportedSetupError(
@@ -148,13 +150,13 @@ def wrap(
         check_weight_dtype(names.get(p, "<not in model>"), p)
         if not p.is_contiguous():
             raise UnsupportedSetupError(f"parameter '{names.get(p)}' is not contiguous; call .contiguous() on it before wrapping")
-    if accumulate_in_vram and any(p.dtype != torch.float32 for p in trainable):
+    if tuning.accumulate_in_vram and any(p.dtype != torch.float32 for p in trainable):
         raise UnsupportedSetupError(
             "accumulate_in_vram needs fp32 weights: autograd would sum bf16 gradients in bf16, "
             "rounding every micro-batch. Leave it off to sum them in fp32 on the host.")
     if device.type not in ("cuda", "cpu"):
         raise UnsupportedSetupError(f"parameters on {device} are not supported (CUDA or CPU only)")
-    host_accumulator = accumulation_steps > 1 and accumulate_in_vram is not True and ddp is None
+    host_accumulator = accumulation_steps > 1 and tuning.accumulate_in_vram is not True and ddp is None
     unique = list({id(p): p for p in trainable}.values())
     if sharded:
         _check_host_memory([local_shard(p) for p in unique], host_accumulator)
@@ -162,7 +164,7 @@ def wrap(
         owners = partition([p.numel() for p in unique], torch.distributed.get_world_size(ddp.process_group))
         rank = torch.distributed.get_rank(ddp.process_group)
         _check_host_memory([p for p, owner in zip(unique, owners) if owner == rank], host_accumulator)
-    auto = placement == "auto"
+    auto = tuning.placement == "auto"
     budget = None if vram_budget is None else parse_bytes(vram_budget)
     if device.type == "cuda":
         require_cuda_build()
@@ -198,22 +200,15 @@ def wrap(
     else:
         streamed = _streamed_blocks(model, tuning.streamed_blocks, stream_from, ddp is not None or sharded)
     if ddp is None and not sharded:  # (before the optimizer pins any of it)
-        _check_host_memory(unique[resident_at_start(placement, len(unique)):], host_accumulator, streamed)
+        _check_host_memory(unique[resident_at_start(tuning.placement, len(unique)):], host_accumulator, streamed)
     if on_host:
         _place(model, device, streamed)
     data_parallel = DataParallel(ddp, owners) if ddp is not None else None
     wrapped = OffloadedAdamW(
-        optimizer, model, pipeline, device=device, max_grad_norm=max_grad_norm,
-        accumulation_steps=int(accumulation_steps), track_grad_norm=tuning.track_grad_norm, streams=streams,
-        activation_pager=pager, accumulate_in_vram=accumulate_in_vram, placement=placement,
-        vram_budget=budget if auto else None, threads=tuning.threads, isa=tuning.isa,
-        data_parallel=data_parallel, sharded=Sharded(trainable) if sharded else None,
-        streamed=streamed, prefetch_depth=tuning.prefetch_depth,
-        speculative_clipping=tuning.speculative_clipping,
+        optimizer, model, Engine(pipeline, device, streams), tuning=tuning, max_grad_norm=max_grad_norm,
+        accumulation_steps=int(accumulation_steps), vram_budget=budget if auto else None, activation_pager=pager,
+        data_parallel=data_parallel, sharded=Sharded(trainable) if sharded else None, streamed=streamed,
     )
-    wrapped.pack_gradients = tuning.pack_gradients
-    if not tuning.upload_update_terms:
-        wrapped.upload_update_terms = False
     if pager is not None:
         pager.settle = wrapped.synchronize
     for p in trainable:

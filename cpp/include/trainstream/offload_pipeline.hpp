@@ -134,6 +134,10 @@ struct GradJob {
   std::shared_ptr<const ClipScale> scale;
 };
 
+// The engine itself. This class is the face (offload_pipeline.cpp: construction, parameters);
+// each role has its own file under cpp/src/pipeline/, and the comment that opens its section
+// below is that file's contract. One mutex, mutex_, guards every queue, list and count the roles
+// share; the engine threads hold it only to pick, start and retire jobs, never while they run one.
 class OffloadPipeline {
  public:
   // `max_download_bytes`: gradient bytes allowed between hand-over and landing in host memory;
@@ -154,9 +158,19 @@ class OffloadPipeline {
   std::shared_ptr<HostParam> add_param(std::size_t numel, DType weight_dtype, bool accumulate,
                                        std::int64_t priority = 0);
 
-  // Copies the device weights into the fp32 master (synchronously). For bf16 weights the landing
-  // buffer is used as the staging area.
-  void load_weights(HostParam& p, std::uintptr_t device_weight, std::uintptr_t stream);
+  HostAdamW& engine() { return engine_; }
+  int niceness() const { return niceness_; }
+  Transfer& transfer() { return *transfer_; }
+
+  // ---- Gradient landing (pipeline/gradient_landing.cpp) ----
+  // Takes each gradient off the device as autograd hands it over, on the hook's thread: chooses
+  // its route (the landing buffer, the accumulator in place, or added into the accumulator by the
+  // transfer), sends a bf16-exact fp32 gradient as bf16, measures its norm on the device when
+  // asked, and queues the job that consumes it. Owns the download budget (downloading_bytes_
+  // against max_download_bytes_) and each parameter's count of downloads issued and landed: the
+  // download's completion callback (a CUDA host function, or the caller itself on the host)
+  // counts a landing under mutex_ and wakes the engine threads. A call waits while the parameter's
+  // queued jobs are unfinished or the budget is full, never for its own download.
 
   // Queues the download of a freshly produced gradient (ordered after `producer_stream`) and the
   // job that consumes it. Blocks while an earlier job of this parameter is unfinished (it may read
@@ -171,12 +185,86 @@ class OffloadPipeline {
   void land_gradient(const std::shared_ptr<HostParam>& p, std::uintptr_t device_grad,
                      std::uintptr_t producer_stream, const GradJob& job);
 
+  // Orders `stream` (on the device) after every norm that land_gradient has measured so far
+  // (GradJob::device_norm), so that work queued on it next may read them.
+  void order_after_norms(std::uintptr_t stream) { transfer_->order_after_measures(stream); }
+
+  bool device_accumulate() const { return device_accumulate_; }
+  // Safe at any time: each gradient takes one path, and either path orders itself after the other.
+  void set_device_accumulate(bool on) { device_accumulate_ = on; }
+  // Whether bf16-exact fp32 gradients are sent as bf16 (default on); safe at any time.
+  bool pack_gradients() const { return pack_gradients_; }
+  void set_pack_gradients(bool on) { pack_gradients_ = on; }
+  std::size_t downloading_bytes() const;
+
+  // ---- The job queue (pipeline/job_queue.cpp) ----
+  // Holds the jobs not yet started (queue_), each with its place in its parameter's sequence and
+  // the number of that parameter's downloads it waits for; checks a job's flags before anything
+  // is queued (check_job); and chooses the next job to start (pick_locked). Owns each parameter's
+  // counts of jobs queued and finished, the count of jobs in flight, and the first error a job
+  // raised: every wait rethrows it, and after it jobs are drained unrun. All of it is under
+  // mutex_; any thread may submit and wait, and a wait is on the host (nothing is ordered on the
+  // device).
+
   // Queues a job on what has already landed or been accumulated (e.g. the update at step()); it
   // runs after every download of this parameter issued so far has landed.
   void submit(const std::shared_ptr<HostParam>& p, const GradJob& job);
   // The same for several parameters, queued under one lock and with one wake-up (a window's
   // updates and commits at step(), while every engine thread is taking chunks under that lock).
   void submit(const std::vector<std::shared_ptr<HostParam>>& params, const std::vector<GradJob>& jobs);
+
+  // Waits until the parameters' queued jobs have finished (on the host; nothing is ordered on the
+  // device). Rethrows the first error a job raised.
+  void wait(const std::vector<HostParam*>& params);
+
+  // Waits for every issued download to land and every queued job to finish. Rethrows the first
+  // error a job raised.
+  void synchronize();
+
+  std::size_t pending() const;
+  // How fast the engine updates, for the placement planner: wall seconds during which at least one
+  // thread ran a chunk, and elements updated, since construction.
+  struct Stats {
+    double busy_seconds = 0;
+    std::uint64_t updated_elements = 0;
+  };
+  Stats stats() const;
+
+ private:
+  struct Task;  // a queued job (src/pipeline/task.hpp)
+  static void check_job(const HostParam& p, const GradJob& job);
+  void enqueue(const std::shared_ptr<HostParam>& p, const GradJob& job, bool landing = false, bool packed = false);
+  void enqueue_locked(const std::shared_ptr<HostParam>& p, const GradJob& job, bool landing, bool packed);
+  std::unique_ptr<Task> pick_locked();
+  void wait_idle(HostParam& p, std::unique_lock<std::mutex>& lock);
+  void record_error();
+  void rethrow_locked();
+
+  // ---- The engine threads (pipeline/workers.cpp) ----
+  // Each runs worker_loop: under mutex_ it takes the next chunk of the earliest started job that
+  // has one left, or picks and starts a new job (start() decides what its chunks read and write);
+  // it runs the chunk (accumulation, norm blocks, the AdamW kernel) without the lock; and the
+  // thread that ran a job's last chunk finishes it, still without the lock (the norm's sum, a
+  // commit's swap, the upload), then counts it done under the lock and wakes who waits for it. A
+  // parameter's jobs run one at a time and in order, so a job uses its parameter's buffers without
+  // a lock. Owns the started jobs (running_) and the busy-time statistics, under mutex_.
+  void worker_loop();
+  Task* next_chunk_locked(std::size_t& chunk);
+  void start(Task& task);
+  void run_chunk(Task& task, std::size_t chunk);
+  std::size_t finish(Task& task);
+
+ public:
+  // ---- Speculation (pipeline/speculation.cpp) ----
+  // Updates queued before a window's global norm is known write to next-state buffers, which this
+  // unit gives each parameter (from spare_, apart from the state's arena), and leave the state
+  // untouched; the window's clip verdict lands from the device into a host slot of its own
+  // (land_scale); a verdict that does not commit drops what is left of that window's speculative
+  // updates, and commit() queues the jobs that make the speculated (or redone) step the state.
+  // Owns each parameter's last speculated hyperparameters (under mutex_) and the verdict slot,
+  // which only the caller's one thread touches. The verdict's completion callback takes mutex_;
+  // dropping only marks jobs to skip, so a running one stops at its next chunk.
+
   // Queues, as that submit() does, the commit of each parameter's speculative update (the one
   // queued since its last update or commit): a job with `commit`, that update's hyperparameters
   // and the parameter's `device_weight`; with a `verdict` still on its way, also `update` and that
@@ -193,14 +281,6 @@ class OffloadPipeline {
   // Host bytes enable_speculation takes for a parameter of this size and weight dtype.
   static std::size_t speculation_bytes(std::size_t numel, DType weight_dtype);
 
-  // Keeps the parameter's current weights in host memory from now on, in its weight dtype, for a
-  // caller that brings them to the device itself (weight streaming): fp32 weights in the master,
-  // which an update without device_weight rewrites whole even with upload_terms; bf16 weights in
-  // a buffer of their own from the arena, filled by the caller and rewritten by each update.
-  // Its updates no longer speculate (check_job refuses). Returns the host bytes it took (0 if it
-  // had them).
-  std::size_t keep_weights_on_host(HostParam& p);
-
   // Queues the download of one window's clip verdict, two doubles in device memory (the
   // coefficient, rounded to float, and the global norm) written by work queued on
   // `producer_stream`. Speculative updates queued so far belong to that window: when the verdict
@@ -209,40 +289,46 @@ class OffloadPipeline {
   // Waits (on the host) until the verdict has landed.
   void wait(const ClipScale& scale);
 
-  // Waits until the parameters' queued jobs have finished (on the host; nothing is ordered on the
-  // device). Rethrows the first error a job raised.
-  void wait(const std::vector<HostParam*>& params);
-
   // Drops the work left in every speculative update (jobs not started are drained unrun, running
   // ones stop at their next chunk): they wrote only next-state buffers, which a redo replaces.
   // Returns how many jobs it cut short.
   std::size_t abandon_speculation();
 
+ private:
+  // Under the mutex: drops what is left of every speculative update not yet dropped, or of those
+  // `verdict` decides (null: all); returns how many.
+  std::size_t drop_speculation_locked(const ClipScale* verdict);
+
+ public:
+  // ---- Upload scheduling (pipeline/uploads.cpp) ----
+  // Decides what goes up when a job finishes (a bf16 rounding, the fp32 master or its update
+  // term, now or at the commit), on the finishing thread and the parameter's slot; tracks the
+  // uploads on their way up (under mutex_), so that pick_locked lets a commit jump the queue only
+  // while they are under the upload window; and, for the forward's pre-hooks, orders a stream
+  // after a parameter's upload (gate) or tells whether it is done (settled). Also where the
+  // weights live on the host: load_weights fills the master from the device, keep_weights_on_host
+  // keeps them there for weight streaming; both first wait until the parameter has no queued job.
+
+  // Copies the device weights into the fp32 master (synchronously). For bf16 weights the landing
+  // buffer is used as the staging area.
+  void load_weights(HostParam& p, std::uintptr_t device_weight, std::uintptr_t stream);
+
+  // Keeps the parameter's current weights in host memory from now on, in its weight dtype, for a
+  // caller that brings them to the device itself (weight streaming): fp32 weights in the master,
+  // which an update without device_weight rewrites whole even with upload_terms; bf16 weights in
+  // a buffer of their own from the arena, filled by the caller and rewritten by each update.
+  // Its updates no longer speculate (check_job refuses). Returns the host bytes it took (0 if it
+  // had them).
+  std::size_t keep_weights_on_host(HostParam& p);
+
   // Waits until the parameters' queued jobs have finished, then orders `stream` after their
   // uploads (on the device). This is what a module's forward pre-hook calls.
   void gate(const std::vector<HostParam*>& params, std::uintptr_t stream);
-
-  // Orders `stream` (on the device) after every norm that land_gradient has measured so far
-  // (GradJob::device_norm), so that work queued on it next may read them.
-  void order_after_norms(std::uintptr_t stream) { transfer_->order_after_measures(stream); }
 
   // Whether the parameters have no queued jobs and their last uploads have finished, so that any
   // stream may read their weights without gating. Never waits (beyond the pipeline's lock).
   bool settled(const std::vector<HostParam*>& params);
 
-  // Waits for every issued download to land and every queued job to finish. Rethrows the first
-  // error a job raised.
-  void synchronize();
-
-  HostAdamW& engine() { return engine_; }
-  int niceness() const { return niceness_; }
-  Transfer& transfer() { return *transfer_; }
-  bool device_accumulate() const { return device_accumulate_; }
-  // Safe at any time: each gradient takes one path, and either path orders itself after the other.
-  void set_device_accumulate(bool on) { device_accumulate_ = on; }
-  // Whether bf16-exact fp32 gradients are sent as bf16 (default on); safe at any time.
-  bool pack_gradients() const { return pack_gradients_; }
-  void set_pack_gradients(bool on) { pack_gradients_ = on; }
   // Whether an fp32 parameter's update sends only its term (AdamW in term_only mode, then
   // Transfer::upload_update) rather than the updated master (default off; the CUDA transfer
   // needs its staging buffer first): the host neither reads nor keeps current an fp32 copy of
@@ -253,60 +339,16 @@ class OffloadPipeline {
   // How many bytes of uploads may be on their way up ahead of a commit that redoes nothing before
   // it stops jumping the queue of updates (see pick_locked).
   void set_upload_window(std::size_t bytes) { upload_window_ = bytes; }
-  std::size_t pending() const;
-  std::size_t downloading_bytes() const;
-  // How fast the engine updates, for the placement planner: wall seconds during which at least one
-  // thread ran a chunk, and elements updated, since construction.
-  struct Stats {
-    double busy_seconds = 0;
-    std::uint64_t updated_elements = 0;
-  };
-  Stats stats() const;
 
  private:
-  // A queued job. Once started, its elements are split into chunks that the engine threads take
-  // one at a time; every stage of a job is elementwise (the norm keeps one partial a norm block),
-  // so chunks need no barrier between them, and a thread that finds no chunk left in a started
-  // job moves on to the next job while others finish theirs.
-  struct Task {
-    std::shared_ptr<HostParam> param;
-    GradJob job;
-    std::uint64_t seq;       // this parameter's job number (1-based)
-    std::uint64_t download;  // runs once this many of the parameter's downloads have landed
-    bool landing;            // its own download wrote the landing buffer (land_gradient, landing route)
-    bool packed;             // ...through download_bf16_exact
-    std::uintptr_t held_term = 0;  // the speculated term this job consumes (HostParam::held_term_)
-    std::shared_ptr<const ClipScale> verdict;  // a speculative update: the verdict that decides its fate
-    // Set by start():
-    std::atomic<bool> skip{false};  // a failure before or during the job: drain it unrun
-    const void* grad = nullptr;  // what norm and update read
-    DType grad_dtype = DType::float32;
-    DType landed = DType::float32;  // what the landing buffer holds
-    AdamWBuffers buffers;
-    AdamWCoeffs coeffs;
-    std::size_t chunk = 0, chunks = 0;
-    std::size_t next_chunk = 0, chunks_done = 0;  // under the mutex
-    std::vector<double> partial;  // squared norm of each norm block (grad_ops.hpp)
-  };
-  static void check_job(const HostParam& p, const GradJob& job);
   // Whether a commit that redoes nothing uploads (after the parameter's last job has finished).
   static bool commit_uploads(const HostParam& p);
-  void enqueue(const std::shared_ptr<HostParam>& p, const GradJob& job, bool landing = false, bool packed = false);
-  void enqueue_locked(const std::shared_ptr<HostParam>& p, const GradJob& job, bool landing, bool packed);
-  void wait_idle(HostParam& p, std::unique_lock<std::mutex>& lock);
-  // Under the mutex: drops what is left of every speculative update not yet dropped, or of those
-  // `verdict` decides (null: all); returns how many.
-  std::size_t drop_speculation_locked(const ClipScale* verdict);
-  std::unique_ptr<Task> pick_locked();
+  // After a finished job (finish()): issues its upload, if any; returns the bytes it queued.
+  std::size_t upload_weights(const Task& task);
+  // Under the mutex: counts an upload issued until it is seen complete.
+  void track_upload_locked(const std::shared_ptr<HostParam>& p, std::size_t bytes);
   // Under the mutex: whether the uploads issued and not yet seen complete are under the window.
   bool upload_room_locked();
-  void start(Task& task);
-  Task* next_chunk_locked(std::size_t& chunk);
-  void run_chunk(Task& task, std::size_t chunk);
-  std::size_t finish(Task& task);
-  void worker_loop();
-  void record_error();
-  void rethrow_locked();
 
   std::unique_ptr<Transfer> transfer_;
   // Next-state moments and masters: memory of the state's kind (pinned on CUDA: the engine ran
@@ -324,19 +366,23 @@ class OffloadPipeline {
   std::condition_variable work_ready_;
   std::condition_variable job_done_;
   std::condition_variable landed_;
+  // The job queue and the engine threads:
   std::deque<std::unique_ptr<Task>> queue_;    // not started
   std::deque<std::unique_ptr<Task>> running_;  // started, in start order
   std::size_t in_flight_ = 0;
   std::size_t running_chunks_ = 0;
   std::chrono::steady_clock::time_point busy_since_;
   Stats stats_;
+  // Gradient landing (and land_scale's verdicts):
   std::size_t downloading_bytes_ = 0;
+  // Upload scheduling:
   struct Upload {
     std::shared_ptr<HostParam> param;
     std::size_t bytes;
   };
   std::deque<Upload> uploads_;  // issued by finish(), oldest first, until seen complete
   std::size_t uploading_bytes_ = 0;  // their sum
+  // Speculation:
   std::unique_ptr<TransferSlot> verdict_slot_;  // land_scale's downloads, one after another
   double* verdict_host_ = nullptr;               // where they land (from the arena, on first use)
   bool stopping_ = false;

@@ -33,6 +33,6 @@ did.
 """
 
 from trainstream.activations.pager import ActivationPager
-from trainstream.activations.plan import Plan, Profile, find_blocks, parse_bytes, plan_paging
+from trainstream.activations.plan import Plan, Profile, find_blocks, plan_paging
 
-__all__ = ["ActivationPager", "Plan", "Profile", "find_blocks", "parse_bytes", "plan_paging"]
+__all__ = ["ActivationPager", "Plan", "Profile", "find_blocks", "plan_paging"]

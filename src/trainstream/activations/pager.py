@@ -14,11 +14,12 @@ from torch.utils.checkpoint import checkpoint
 from trainstream._native import _C
 from trainstream.activations import light as light_recompute
 from trainstream.activations import report as reporting
-from trainstream.activations.plan import Plan, Profile, format_size, find_blocks, plan_paging, tensors_in
+from trainstream.activations.plan import Plan, Profile, find_blocks, plan_paging, tensors_in
 from trainstream.activations.report import StepFigures
 from trainstream.errors import TrainingLoopError, UnsupportedSetupError
 from trainstream.profiler import measure_copy_bandwidth
 from trainstream.timing import mark, seconds
+from trainstream.units import format_size
 
 MIN_BYTES = 1 << 20  # smaller saved tensors stay on the device: not worth a copy
 
@@ -128,11 +129,11 @@ class ActivationPager:
         self._cuda = device.type == "cuda"
         if self._cuda:
             self._streams = (torch.cuda.Stream(device), torch.cuda.Stream(device))
-            self._native = _C.cuda_activation_pager(device.index, self._streams[0].cuda_stream,
+            self.native = _C.cuda_activation_pager(device.index, self._streams[0].cuda_stream,
                                                     self._streams[1].cuda_stream)
         else:
             self._streams = None
-            self._native = _C.host_activation_pager()
+            self.native = _C.host_activation_pager()
         self._param_ids = {id(p) for p in model.parameters()}
         self._static_storages: set[int] = set()  # taken at each forward's start (_model_pre)
         self._input_storages: set[int] = set()
@@ -144,8 +145,8 @@ class ActivationPager:
         elif share is not None and vram_budget is None:  # nothing to measure for a share
             n = len(self.blocks)
             self.plan = plan_paging(Profile([0] * n, [0.0] * n, 1.0, 1.0), share=share, keep_last=self.keep_last)
-        self._paged_upto = self.plan.paged_blocks if self.plan else len(self.blocks) - self.keep_last
-        self._profiling = self.plan is None
+        self.paged_upto = self.plan.paged_blocks if self.plan else len(self.blocks) - self.keep_last
+        self.profiling = self.plan is None
         self._generation = 0
         self._current: int | None = None
         self._hooks_ctx = None
@@ -221,12 +222,12 @@ class ActivationPager:
         # parameter (_pack), not their storage: a streamed block's storages are freed after its
         # forward, and activations that reuse the addresses must not pass for weights.
         self._static_storages = {b.untyped_storage().data_ptr() for b in self._model.buffers()}
-        if self._profiling and self._timed:
+        if self.profiling and self._timed:
             self._finish_profile()
         # the first forward runs cold (allocator, kernels' first launches): time the second, or
         # (deferred) the one the placement profiler records
-        self._timing = self._profiling and (self.time_next_forward if self.deferred else self._forwards > 0)
-        self._census_now = self.light_census and self._profiling and not self._timing and self.light is None
+        self._timing = self.profiling and (self.time_next_forward if self.deferred else self._forwards > 0)
+        self._census_now = self.light_census and self.profiling and not self._timing and self.light is None
         if self._census_now:
             self.light = [(0, 0, 0, 0)] * len(self.blocks)
         self.time_next_forward = False
@@ -254,7 +255,7 @@ class ActivationPager:
         # would otherwise be traced as a frame of its own.
         # With no block paged and no step measured, kept tensors go to autograd as they are: the
         # hooks then only recast weight copies and save repeated casts once.
-        self._lean = self._paged_upto == 0 and not self._timing
+        self._lean = self.paged_upto == 0 and not self._timing
         pack, unpack = self._pack, self._unpack
         if self._timing:  # the profiled step: what the hooks cost the host, for the placement planner
             pack, unpack = self._clocked(pack, self._figures), self._clocked(unpack, self._figures)
@@ -317,7 +318,7 @@ class ActivationPager:
             lagging = index - 2
             last = self._stored_by_block[lagging][-1]() if lagging >= 0 and self._stored_by_block[lagging] else None
             if last is not None:
-                self._native.wait_paged_out(last.paged)
+                self.native.wait_paged_out(last.paged)
             if self._timing:  # after the wait: time the block's own work
                 self._input_bytes[index] += self._new_input_bytes((args, kwargs))
                 self._block_start = mark(self.device)
@@ -377,7 +378,7 @@ class ActivationPager:
 
     def finish_profile(self) -> None:
         """Ends a finished profiling step now rather than at the next forward."""
-        if self._profiling and self._timed:
+        if self.profiling and self._timed:
             self._finish_profile()
 
     def apply(self, paged: int, recomputed: tuple[int, ...], reason: str, hooks: bool = True,
@@ -387,13 +388,13 @@ class ActivationPager:
         nothing is paged and no saved tensor passes through a hook of ours: the recomputed blocks
         are torch's checkpointing alone."""
         self.saved_tensor_hooks = hooks
-        self._apply_plan(Plan(paged_blocks=paged, pageable_blocks=len(self.blocks), reason=reason,
+        self.apply_plan(Plan(paged_blocks=paged, pageable_blocks=len(self.blocks), reason=reason,
                               recomputed=tuple(recomputed), recompute_seconds=recompute_seconds, light=tuple(light)))
         self._fresh_plan = True
 
-    def _apply_plan(self, plan: Plan) -> None:
+    def apply_plan(self, plan: Plan) -> None:
         self.plan = plan
-        self._paged_upto = plan.paged_blocks
+        self.paged_upto = plan.paged_blocks
         self._restore_forwards()
         for i in plan.recomputed + plan.light:
             block = self.blocks[i]
@@ -500,7 +501,7 @@ class ActivationPager:
         static = weight or self._is_static(key)
         pageable = not (static or view_bytes < self.min_bytes or nbytes > 4 * view_bytes
                         or nbytes % t.element_size())
-        if not pageable or block >= self._paged_upto:
+        if not pageable or block >= self.paged_upto:
             if pageable and not _alive(self._kept, key):  # what paging would free: each storage once
                 self._kept[key] = weakref.ref(t)
                 self._figures.kept_bytes += nbytes
@@ -512,7 +513,7 @@ class ActivationPager:
         # the same storage if a tensor that holds it is still alive (else the address was reused)
         stored = seen[1]() if seen is not None and seen[0]() is not None else None
         if stored is None:
-            paged = self._native.page_out(key, nbytes, self._compute_stream())
+            paged = self.native.page_out(key, nbytes, self._compute_stream())
             if self._cuda:  # the offload stream reads it: no reuse before the copy is done
                 t.record_stream(self._streams[0])
             stored = _Stored(paged, nbytes, block, self._generation)
@@ -549,7 +550,7 @@ class ActivationPager:
             self.last.on_demand += 1
             self._fetch(stored)
         device = stored.device
-        self._native.order_after_page_in(stored.paged, self._compute_stream())
+        self.native.order_after_page_in(stored.paged, self._compute_stream())
         stored.unpacks_left -= 1
         if stored.unpacks_left <= 0:
             stored.device = None  # autograd holds what it still needs
@@ -560,7 +561,7 @@ class ActivationPager:
 
     def _fetch(self, stored: _Stored) -> None:
         device = torch.empty(stored.nbytes, dtype=torch.uint8, device=self.device)
-        self._native.page_in(stored.paged, device.data_ptr(), self._compute_stream())
+        self.native.page_in(stored.paged, device.data_ptr(), self._compute_stream())
         if self._cuda:  # written on the prefetch stream: no reuse before that copy is done
             device.record_stream(self._streams[1])
         stored.device = device
@@ -602,9 +603,9 @@ class ActivationPager:
             peak = max(peak, self._backward_peak)
         self.profile = Profile(list(self.last.block_bytes), times, d2h, h2d, peak, list(self._input_bytes))
         if not self.deferred:
-            self._apply_plan(plan_paging(self.profile, share=self.share, vram_budget=self.vram_budget,
+            self.apply_plan(plan_paging(self.profile, share=self.share, vram_budget=self.vram_budget,
                                          keep_last=self.keep_last, recompute=self.recompute))
-        self._profiling = False
+        self.profiling = False
         self._fresh_plan = True
         self.profiled_marks = list(self._times)  # (block, start, end) marks, for the placement profile
         self._times = []

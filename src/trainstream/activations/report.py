@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from trainstream.activations.plan import GB, format_size
+from trainstream.units import GB, format_size
 
 
 @dataclass
@@ -27,12 +27,12 @@ class StepFigures:
 def report(pager) -> dict:
     """What the pager did in its last step and what it planned, as figures."""
     plan = pager.plan
-    stats = pager._native.stats()
+    stats = pager.native.stats()
     figures = pager.last
     out = {
         "blocks": f"{pager.blocks_name} x{len(pager.blocks)}",
-        "state": "profiling" if pager._profiling else "paging",
-        "paged_blocks": pager._paged_upto,
+        "state": "profiling" if pager.profiling else "paging",
+        "paged_blocks": pager.paged_upto,
         "recomputed_blocks": len(plan.recomputed) if plan else 0,
         "light_blocks": len(plan.light) if plan else 0,  # recomputed lightly (light.py)
         "pageable_blocks": len(pager.blocks) - pager.keep_last,
@@ -44,7 +44,7 @@ def report(pager) -> dict:
         "on_demand_fetches": figures.on_demand,
         "held_elsewhere_bytes_per_step": figures.held_bytes,
         "prefetch_depth": pager.depth,
-        "host_memory_kind": pager._native.memory_kind,
+        "host_memory_kind": pager.native.memory_kind,
         "host_slots": stats["slots"],
         "host_bytes_reserved": stats["reserved_bytes"],
     }

@@ -1,0 +1,38 @@
+// A queued job of the offload pipeline, as the job queue orders it and the engine threads run it.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "trainstream/offload_pipeline.hpp"
+
+namespace trainstream {
+
+// A queued job. Once started, its elements are split into chunks that the engine threads take
+// one at a time; every stage of a job is elementwise (the norm keeps one partial a norm block),
+// so chunks need no barrier between them, and a thread that finds no chunk left in a started
+// job moves on to the next job while others finish theirs.
+struct OffloadPipeline::Task {
+  std::shared_ptr<HostParam> param;
+  GradJob job;
+  std::uint64_t seq;       // this parameter's job number (1-based)
+  std::uint64_t download;  // runs once this many of the parameter's downloads have landed
+  bool landing;            // its own download wrote the landing buffer (land_gradient, landing route)
+  bool packed;             // ...through download_bf16_exact
+  std::uintptr_t held_term = 0;  // the speculated term this job consumes (HostParam::held_term_)
+  std::shared_ptr<const ClipScale> verdict;  // a speculative update: the verdict that decides its fate
+  // Set by start():
+  std::atomic<bool> skip{false};  // a failure before or during the job: drain it unrun
+  const void* grad = nullptr;  // what norm and update read
+  DType grad_dtype = DType::float32;
+  DType landed = DType::float32;  // what the landing buffer holds
+  AdamWBuffers buffers;
+  AdamWCoeffs coeffs;
+  std::size_t chunk = 0, chunks = 0;
+  std::size_t next_chunk = 0, chunks_done = 0;  // under the mutex
+  std::vector<double> partial;  // squared norm of each norm block (grad_ops.hpp)
+};
+
+}  // namespace trainstream

@@ -1,0 +1,379 @@
+"""Promotion: profile the first steps, plan (placement.py, pure), and move each parameter to the tier the plan gives it.
+
+A parameter's tier is resident (gradient and AdamW state in VRAM), offloaded (host state, host
+updates) or streamed (offloaded, its weights in host memory between uses, trainstream.streaming).
+Under placement "auto" the second window is profiled; at the end of its step() the plan is made
+and carried out between steps: a wait for the host's last updates, then one copy of each moved
+parameter's moments (and bf16 master) to where it now lives. After the first planned window, a
+peak over the budget plans once more with the difference added.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import replace
+from typing import Callable
+
+import torch
+
+from trainstream import placement as planner
+from trainstream.activations import light as light_recompute
+from trainstream.clipping import Clipping
+from trainstream.errors import VramBudgetError
+from trainstream.profiler import RECOMPUTE_PER_FORWARD, StepProfiler, block_spans, measure_bandwidths
+from trainstream.resident import ResidentAdamW
+from trainstream.slots import Engine, Slot, Slots, Window
+from trainstream.streaming import WeightStreamer, shared_outside
+
+log = logging.getLogger("trainstream")
+
+PACK_S = 30e-6  # what one call of the saved-tensor hooks costs the host, where it was not measured
+
+
+class Promotion:
+    """The tiers of one optimizer's parameters and the plan that sets them.
+
+    Called back: `synchronize()` to settle every queued update, `tiers_changed()` when
+    parameters start streaming, `planned()` once a plan is in force (the optimizer re-derives
+    what depends on it: speculation, gates, staging, packing)."""
+
+    def __init__(self, engine: Engine, slots: Slots, window: Window, clipping: Clipping, model: torch.nn.Module,
+                 *, pager, placement: str | float, vram_budget: int | None, accumulate_in_vram: bool | None,
+                 prefetch_depth: int, data_parallel, synchronize: Callable[[], None],
+                 tiers_changed: Callable[[], None], planned: Callable[[], None]) -> None:
+        self._engine = engine
+        self._slots = slots
+        self._window = window
+        self._clipping = clipping
+        self._model = model
+        self.pager = pager  # trainstream.activations.ActivationPager or None, attached or not
+        self.active_pager = pager  # the same while its hooks are attached (a plan may need none)
+        self.placement = placement
+        self.vram_budget = vram_budget
+        self._vram_sums = accumulate_in_vram  # None: the planner's choice per parameter
+        self._depth = prefetch_depth
+        self._dp = data_parallel
+        self._synchronize = synchronize
+        self._tiers_changed = tiers_changed
+        self._planned = planned
+        self.plan: planner.Plan | None = None  # the placement in force, once planned
+        self.profile: planner.Profile | None = None
+        self.profiler: StepProfiler | None = None
+        self.streamer: WeightStreamer | None = None
+        self._stats_at_start = None
+        self._bandwidths = None  # (d2h, h2d, VRAM) bytes/s, measured when the profiled window starts
+        self._checked = False  # the first planned window's peak has been compared with the budget
+        self._hooks: list = []
+
+    @property
+    def state(self) -> str:
+        return "planned" if self.plan is not None else "profiling" if self.profiler is not None else "fixed"
+
+    def start_profiling(self) -> None:
+        """Under placement "auto": the second window will be profiled."""
+        away = self.streamer.weight_bytes - self.streamer.window_bytes if self.streamer is not None else 0
+        self.profiler = StepProfiler(self._model, [s.param for s in self._slots.order], self._engine.device, away)
+        self._stats_at_start = self._engine.pipeline.stats()
+
+    def paging_slot_bytes(self) -> int:
+        """Host memory the pager's slots already hold (reused for every step's paged activations)."""
+        return self.pager.native.stats()["reserved_bytes"] if self.pager is not None else 0
+
+    def paged_host_bytes(self) -> int:
+        """Host memory the plan's paged activations need beyond the slots the pager already holds."""
+        if self.plan is None or self.profile is None:
+            return 0
+        return max(0, planner.paged_host_bytes(self.profile, self.plan) - self.paging_slot_bytes())
+
+    def vram_room(self, need: int) -> bool:
+        """Whether the placement leaves `need` more bytes of VRAM: within the plan's budget once
+        planned; before that only without a budget, and never while profiling."""
+        plan = self.plan
+        if plan is not None:
+            return plan.budget is None or plan.expected_peak + need <= plan.budget - plan.reserve
+        return self.placement != "auto" and self.vram_budget is None
+
+    def streamed_count(self) -> int:
+        return len(self.streamer.modules) if self.streamer is not None else 0
+
+    # ---------------------------------------------------------------------- the window
+    def window_starts(self, args: tuple, kwargs: dict) -> None:
+        """At a window's first forward: profile window 2 (window 1 runs cold). The plan follows at
+        the end of that window's step(), between steps, where no hook is running."""
+        profiler = self.profiler
+        if profiler is None:
+            return
+        if self.plan is None and self._window.count == 1 and not profiler.recording and not profiler.complete:
+            self._synchronize()  # the profiled forward computes; it does not wait for uploads
+            self._bandwidths = measure_bandwidths(self._engine.device)  # while little is allocated
+            if self.active_pager is not None and self.active_pager.deferred:
+                self.active_pager.time_next_forward = True  # its block times: the same forward
+            profiler.start_forward(args, kwargs)
+
+    def window_ends(self) -> bool:
+        """At the end of step(): plan after the profiled window (then True), or check the first
+        planned one."""
+        if self.profiler is not None and self.plan is None and self.profiler.complete:
+            self._promote()
+            return True
+        if self.plan is not None and not self._checked:
+            self._check_peak()
+        return False
+
+    # ------------------------------------------------------------------ plan and apply
+    def _promote(self) -> None:
+        """Plans from the profile and moves everything where the plan puts it."""
+        self._synchronize()
+        profile = self._build_profile()
+        budget = self.vram_budget
+        plan = planner.plan_placement(profile, budget)
+        profiled_peak = max(profile.forward_peak, profile.tail_peak)
+        if not plan.fits and profiled_peak <= budget:
+            # The estimate (with its reserve) says no, but the profiled steps ran within the budget:
+            # take every saving (the plan as it stands) rather than refuse what just worked.
+            log.warning("trainstream: the planner's estimate of the leanest placement (%.2f GB with a %.2f GB "
+                        "reserve) exceeds the %.2f GB budget, but the profiled steps peaked at %.2f GB; "
+                        "training in the leanest placement", plan.expected_peak / 1e9, plan.reserve / 1e9,
+                        budget / 1e9, profiled_peak / 1e9)
+        elif not plan.fits:
+            smallest = planner.smallest_plan(profile)
+            floor = planner.peak_bytes(profile, smallest)
+            weights = planner.device_weight_bytes(profile, smallest.streamed)
+            raise VramBudgetError(
+                f"the step cannot fit a VRAM budget of {budget / 1e9:.2f} GB: with every gradient and "
+                f"AdamW state offloaded, every block recomputed and paged (as far as host memory holds) and "
+                f"{'every' if smallest.streamed == len(profile.blocks) else smallest.streamed} block's "
+                f"weights streamed, it still needs "
+                f"{floor / 1e9:.2f} GB (weights on the GPU {weights / 1e9:.2f} GB + activations and "
+                f"workspace {(floor - weights) / 1e9:.2f} GB) + a reserve of "
+                f"{planner.reserve_for(budget) / 1e9:.2f} GB for the estimate. Raise the budget, lower "
+                f"the batch or sequence length, or use bf16 weights.")
+        self.profile = profile
+        self.apply(plan)
+
+    def _build_profile(self) -> planner.Profile:
+        pager = self.active_pager
+        deferred = pager is not None and pager.deferred
+        if deferred:
+            pager.finish_profile()
+        times = self.profiler.timings(pager.profiled_marks if deferred else None)
+        blocks, block_of = [], {}
+        figures = pager.last if pager is not None else None
+        if deferred and pager.profile is not None:
+            prof = pager.profile
+            casts = figures.block_cast_bytes or [0] * len(pager.blocks)
+            tied = shared_outside(pager.blocks, self._model)
+            light = pager.light or [None] * len(pager.blocks)  # (kept bytes, cheap ops, bytes they write, all ops)
+            op_host_s = light_recompute.dispatch_seconds(self._engine.device) if pager.light else 0.0
+            blocks = [planner.BlockCost(b, i, t, c, weight_bytes=sum(p.numel() * p.element_size()
+                                                                     for p in pager.blocks[j].parameters()),
+                                        streamable=j not in tied,
+                                        light_bytes=None if lt is None else lt[0],
+                                        light_s=0.0 if lt is None else light_recompute.seconds(
+                                            *lt[1:], self._bandwidths[2], op_host_s))
+                      for j, (b, i, t, c, lt) in enumerate(zip(prof.block_bytes,
+                                                               prof.block_input_bytes or [0] * len(prof.block_bytes),
+                                                               prof.block_seconds, casts, light))]
+        if pager is not None and pager.blocks:
+            for j, block in enumerate(pager.blocks):
+                for p in block.parameters():
+                    block_of.setdefault(p, j)
+        order = self._slots.order
+        inside = [s.index for s in order if s.param in block_of]
+        n = len(blocks)
+        params = []
+        for s in order:
+            j = block_of.get(s.param)
+            where = min(j, n) if j is not None else (-1 if inside and s.index < inside[0] else n)
+            params.append(planner.ParamCost(
+                # a peer's state and update are another rank's: keeping it costs this rank nothing
+                name=self._slots.name(s), numel=0 if s.peer else s.weight.numel(),
+                element_size=s.param.element_size(), block=where,
+                need_s=times["need_s"][s.index], arrival_s=times["arrival_s"][s.index],
+                segment_peak=times["segment_peak"][s.index]))
+        if blocks and times["replayed"]:
+            # A recomputed block costs its share of the replayed forward (compute alone), not its
+            # time in the profiled step, which the paging there stretched.
+            spans = block_spans([p.need_s for p in params], [p.block for p in params], n, times["forward_s"])
+            blocks = [b if span is None else replace(b, recompute_s=RECOMPUTE_PER_FORWARD * span)
+                      for b, span in zip(blocks, spans)]
+        stats, start = self._engine.pipeline.stats(), self._stats_at_start
+        updated = stats["updated_elements"] - start["updated_elements"]
+        host_rate = (stats["busy_seconds"] - start["busy_seconds"]) / updated if updated else 0.0
+        d2h, h2d, vram = self._bandwidths
+        hook_s = lean_hook_s = 0.0
+        if figures is not None:
+            # the hooks' host time as measured, less what paging took in it, and less the kept
+            # tensors' bookkeeping where nothing is paged (the device's recasts come on top); an
+            # estimate where none was (the profiled step ran without them)
+            calls = figures.hook_seconds - figures.paging_seconds if figures.hook_seconds else figures.packs * PACK_S
+            recasts = 3 * figures.recast_bytes / vram
+            hook_s = calls + recasts
+            lean_hook_s = max(0.0, calls - figures.keeping_seconds) + recasts
+        return planner.Profile(
+            params=params, blocks=blocks, accumulation_steps=self._slots.accumulation_steps,
+            clipping=self._clipping.max_grad_norm is not None,
+            forward_s=times["forward_s"], backward_s=times["backward_s"],
+            forward_peak=self.profiler.forward_peak, tail_peak=self.profiler.tail_peak,
+            host_s_per_param=host_rate, d2h_bytes_per_s=d2h, h2d_bytes_per_s=h2d, device_bytes_per_s=vram,
+            profiled_paged=pager.paged_upto if pager is not None else 0, profiled_hooks=pager is not None,
+            outside_cast_bytes=figures.outside_cast_bytes if figures is not None else 0, hook_s=hook_s,
+            lean_hook_s=lean_hook_s,
+            weight_bytes=sum(p.numel() * p.element_size() for p in self._model.parameters()),
+            fixed_activations=not deferred, streamed=self.streamed_count() if blocks else 0,
+            stream_depth=self._depth, recompute=pager is None or pager.recompute,
+            host_room=None if math.isinf(room := self._engine.host_room()) else int(room) + self.paging_slot_bytes())
+
+    def apply(self, plan: planner.Plan) -> None:
+        """Moves every parameter to where `plan` puts it (between steps: nothing is in flight)."""
+        self._synchronize()
+        _ = self._clipping.last_grad_norm  # the window's norm, read where its parts were taken
+        pager = self.pager
+        streamed = self.streamed_count()
+        if plan.streamed > streamed:  # (the profiled steps' streamed blocks stay streamed)
+            blocks = pager.blocks
+            self.stream(blocks[len(blocks) - plan.streamed:len(blocks) - streamed])
+        acc = self._slots.accumulation_steps
+        for i, s in enumerate(self._slots.order):
+            if s.peer:  # (costs this rank nothing: see _build_profile)
+                continue
+            resident = i < plan.resident and not s.streamed
+            if resident != s.resident:
+                self.move(s, resident)
+            if self._dp is not None:  # micro-batches are summed where DDP sums them
+                s.sum_in_vram = not resident and acc > 1
+                continue
+            summable = not resident and acc > 1 and s.param.dtype == torch.float32
+            wanted = self._vram_sums if self._vram_sums is not None else i < plan.resident + plan.vram_sums
+            # (without a host accumulator, the sums can only be in VRAM)
+            s.sum_in_vram = summable and (wanted or not s.host.has_accumulator) and not s.streamed
+        if pager is not None and pager.deferred:
+            if plan.hooks or plan.recomputed or plan.light:
+                pager.reattach()
+                pager.apply(plan.paged if plan.hooks else 0, plan.recomputed, "placement planner", hooks=plan.hooks,
+                            light=plan.light, recompute_seconds=planner.recompute_seconds(self.profile, plan))
+                self.active_pager = pager
+            else:  # (a re-plan may need it again: _check_peak)
+                pager.remove()
+                self.active_pager = None
+        self.plan = plan
+        self._planned()
+        if self._engine.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self._engine.device)
+
+    def move(self, slot: Slot, resident: bool) -> None:
+        """Moves one parameter's gradient and AdamW state (and bf16 master) between VRAM and host."""
+        p, engine = slot.param, self._engine
+        if resident:
+            # (under DDP, .grad holds the window's sum: no fp32 sum of micro-batches beside it)
+            state = ResidentAdamW.new_state(p, self._slots.accumulation_steps if self._dp is None else 1)
+            host = engine.host_state(slot)
+            for key, value in host.items():  # the host's state (and bf16 master) carries over
+                state[key].copy_(value)
+            slot.device_state = state
+            slot.state.update({k: v for k, v in state.items() if k != "accumulator"})
+        else:
+            host = engine.host_state(slot)
+            for key, value in host.items():
+                value.copy_(slot.device_state[key])
+            slot.device_state = None
+            slot.state.update(host)
+            if p.dtype == torch.float32 and not engine.pipeline.upload_terms:
+                engine.pipeline.load_weights(slot.host, p.data_ptr(), engine.current_stream())
+        slot.version = p._version
+        slot.resident = resident
+
+    def _check_peak(self) -> None:
+        """After the first planned window: if its peak went over the budget, the estimate was
+        short; plan again once with the difference added."""
+        self._checked = True
+        device = self._engine.device
+        if device.type != "cuda" or self.vram_budget is None or self.profile is None:
+            return
+        observed = torch.cuda.max_memory_allocated(device)
+        self.plan.observed_peak = observed
+        if observed <= self.plan.budget:
+            return
+        short = observed - self.plan.expected_peak
+        plan = planner.plan_placement(self.profile, max(1, self.plan.budget - short))
+        log.warning("trainstream: the step peaked at %.2f GB, over the %.2f GB budget (expected %.2f GB); "
+                    "re-planning with %.2f GB less", observed / 1e9, self.plan.budget / 1e9,
+                    self.plan.expected_peak / 1e9, short / 1e9)
+        self.apply(replace(plan, budget=self.plan.budget, observed_peak=observed))
+
+    # --------------------------------------------------------------------- streaming
+    def stream(self, modules: list[torch.nn.Module]) -> None:
+        """Streams the weights of `modules` (blocks) from now on: their trainable parameters are
+        offloaded, and the host engine's buffers hold their weights (trainstream.streaming).
+        Between steps."""
+        engine, pipeline = self._engine, self._engine.pipeline
+        if self.streamer is None:
+            self.streamer = WeightStreamer(engine.device, self._depth)
+            # A forward without autograd has no backward to end its streaming. (A lambda: see
+            # OffloadedAdamW._register.)
+            self._hooks.append(self._model.register_forward_hook(
+                lambda module, args, output: self._after_forward(), always_call=True))
+        self._synchronize()
+        stream = engine.current_stream()
+        for module in modules:
+            hosts = []
+            for p in module.parameters():
+                s = self._slots.get(p)
+                if s is None or s.streamed:
+                    continue
+                if s.resident:
+                    self.move(s, False)
+                s.next_state = None  # (its updates wait for the norm from now on)
+                if p.device == engine.device:  # (an fp32 master may hold a term)
+                    pipeline.load_weights(s.host, p.data_ptr(), stream)
+                else:  # still in host memory, where wrap() left it
+                    engine.host_tensor(s.host, "master", p).copy_(p.detach().float())
+                pipeline.keep_weights_on_host(s.host)  # (bf16: 2 B a parameter more)
+                s.streamed = True
+                if s.host.has_accumulator:
+                    s.sum_in_vram = False
+                hosts.append(s.host)
+            # forward order: where the model defines the block (its blocks are a ModuleList)
+            position = next(k for k, m in enumerate(self._model.modules()) if m is module)
+            self.streamer.add(module, position, self._streamed_host,
+                              lambda stream, hosts=hosts: self._engine.pipeline.gate(hosts, stream) if hosts else None)
+        self._tiers_changed()
+
+    def _after_forward(self) -> None:
+        if not torch.is_grad_enabled():
+            self.streamer.end_backward()
+
+    def _streamed_host(self, p: torch.nn.Parameter) -> torch.Tensor | None:
+        """The host tensor that holds a streamed parameter's weights: the pipeline's (its fp32
+        master, or its bf16 copy, filled here), or None for a frozen one."""
+        s = self._slots.get(p)
+        if s is None or not s.streamed:
+            return None
+        host = torch.frombuffer(s.host.view("weights"), dtype=p.dtype).view(p.shape)
+        if p.dtype != torch.float32:
+            host.copy_(p.detach())
+        s.version = p._version
+        return host
+
+    def refresh_streamed_masters(self) -> None:
+        """bf16 weights written behind our back (load_state_dict, an in-place edit) while they
+        sat in host memory: the fp32 master follows them, as the gradient hook does for weights on
+        the device."""
+        for s in self._slots.order:
+            if s.streamed and s.param.dtype != torch.float32 and s.param._version != s.version:
+                self._engine.pipeline.wait([s.host])
+                self._engine.host_tensor(s.host, "master", s.param).copy_(s.param.detach().float())
+                s.version = s.param._version
+
+    def remove(self) -> None:
+        """Detaches the pager and the streamer (after a final synchronize)."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        if self.active_pager is not None:
+            self.active_pager.remove()
+        if self.streamer is not None and (left := self.streamer.remove()):
+            log.warning("trainstream: remove_hooks(): %.2f GB of the streamed blocks' weights do not fit the "
+                        "device and stay in host memory (move the model or its blocks where they should "
+                        "go, e.g. model.cpu() to save it)", left / 1e9)
