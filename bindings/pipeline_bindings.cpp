@@ -98,7 +98,10 @@ void bind_pipeline(py::module_& m) {
       .def_property_readonly("has_accumulator", [](const HostParam& p) { return p.accumulator != nullptr; })
       .def_property_readonly("last_gradient_as_bf16", &HostParam::last_gradient_as_bf16,
                              "fp32 weights: whether the last gradient consumed crossed as bf16 (it was exact)")
+      .def_property_readonly("holds_state", &HostParam::holds_state,
+                             "False once release_state() gave its host buffers back (a resident parameter)")
       .def("view", [](const std::shared_ptr<HostParam>& p, const std::string& name) {
+        if (!p->holds_state()) throw std::invalid_argument("HostParam: its host state was given back (resident)");
         if (name == "master") return HostView{p, p->master, 4 * p->numel};
         if (name == "exp_avg") return HostView{p, p->exp_avg, 4 * p->numel};
         if (name == "exp_avg_sq") return HostView{p, p->exp_avg_sq, 4 * p->numel};
@@ -224,6 +227,15 @@ void bind_pipeline(py::module_& m) {
              py::gil_scoped_release release;
              return o.enable_speculation(p);
            }, py::arg("param"), "Next-state buffers for speculative updates; returns the host bytes taken.")
+      .def("release_state", [](OffloadPipeline& o, HostParam& p) {
+             py::gil_scoped_release release;
+             return o.release_state(p);
+           }, py::arg("param"),
+           "Gives a parameter's host buffers back once its jobs are done (it became resident); returns the bytes.")
+      .def("take_state", [](OffloadPipeline& o, HostParam& p) {
+             py::gil_scoped_release release;
+             return o.take_state(p);
+           }, py::arg("param"), "Fresh host buffers, moments zeroed, for a parameter offloaded again; returns the bytes.")
       .def("keep_weights_on_host", [](OffloadPipeline& o, HostParam& p) {
              py::gil_scoped_release release;
              return o.keep_weights_on_host(p);

@@ -240,6 +240,9 @@ def test_roomy_gpu_keeps_everything_resident_at_stock_peak():
     assert report["vram_staging_bytes"] == 0
     assert peak <= 1.05 * stock_peak
     assert torch.isfinite(losses).all()
+    # the profiled steps' pinned state went back once everything was resident
+    assert report["host_memory_kind"] == "pinned" and report["host_bytes_reserved"] == 0
+    assert not any(s.host.holds_state for s in opt.slots.order)
 
 
 @pytest.mark.parametrize("share", [0.8, 0.5, 0.3])

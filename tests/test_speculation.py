@@ -174,7 +174,7 @@ def test_with_host_memory_for_some_second_sets_those_speculate_and_the_rest_wait
     model = TinyLM()
     last = list(model.parameters())[-3:]  # the first three gradients to arrive
     room = sum(p.numel() * 8 for p in last)  # fp32 weights: two moments
-    monkeypatch.setattr(Engine, "host_room", staticmethod(lambda: room))
+    monkeypatch.setattr(Engine, "host_room", lambda self, held: room)
     speculating = run(speculate=True)
     spec = speculating[4].report()["speculation"]
     total = len(list(model.parameters()))

@@ -333,18 +333,16 @@ def test_weights_over_the_budget_stream_from_the_first_step():
         train(base, "cpu", streamed=None, tuning=tuning, wrap_kwargs={"vram_budget": int(0.3 * weights)})
 
 
-def test_host_memory_for_streamed_weights_is_planned_before_pinning(monkeypatch):
-    from trainstream import _native
+def test_host_memory_for_streamed_weights_is_planned_before_pinning():
     model = TinyLM(layers=3).to(torch.bfloat16)
     numel = sum(p.numel() for p in model.parameters())
     offloaded = numel * 14  # bf16 weights: fp32 master, two moments, a bf16 gradient buffer
     streamed = 2 * sum(p.numel() for b in model.blocks[1:] for p in b.parameters())  # their bf16 copies
     tuning = trainstream.Tuning(placement="offload", streamed_blocks=2)
-    monkeypatch.setattr(_native._C, "host_memory_available", lambda: offloaded + streamed - 1)
     with pytest.raises(trainstream.HostMemoryError, match="2 streamed blocks"):
-        trainstream.wrap(model, torch.optim.AdamW(model.parameters()), tuning=tuning)
-    monkeypatch.setattr(_native._C, "host_memory_available", lambda: offloaded + streamed)
-    trainstream.wrap(model, torch.optim.AdamW(model.parameters()), tuning=tuning)
+        trainstream.wrap(model, torch.optim.AdamW(model.parameters()), tuning=tuning,
+                         host_budget=offloaded + streamed - 1)
+    trainstream.wrap(model, torch.optim.AdamW(model.parameters()), tuning=tuning, host_budget=offloaded + streamed)
 
 
 def test_a_compiled_model_is_refused_with_streaming():

@@ -3,6 +3,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <stdexcept>
 
 #include "trainstream/errors.hpp"
 
@@ -54,6 +55,7 @@ void* HostArena::allocate(std::size_t bytes) {
     if (s.bytes - s.used >= size) {
       char* p = s.base + s.used;
       s.used += size;
+      s.live += size;
       used_ += size;
       return p;
     }
@@ -66,9 +68,29 @@ void* HostArena::allocate(std::size_t bytes) {
                 ") but only " + gib(available) + " is available");
   }
   char* base = static_cast<char*>(source_->allocate(slab));
-  slabs_.push_back({base, slab, size});
+  slabs_.push_back({base, slab, size, size});
   used_ += size;
   return base;
+}
+
+void HostArena::release(void* block, std::size_t bytes) {
+  if (block == nullptr) return;
+  const std::size_t size = rounded(bytes);
+  char* p = static_cast<char*>(block);
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (auto it = slabs_.begin(); it != slabs_.end(); ++it) {
+    if (p < it->base || p >= it->base + it->bytes) continue;
+    TS_EXPECTS(p + size <= it->base + it->used && size <= it->live,
+               "HostArena: released a block it did not hand out");
+    it->live -= size;
+    used_ -= size;
+    if (it->live == 0) {
+      source_->release(it->base, it->bytes);
+      slabs_.erase(it);
+    }
+    return;
+  }
+  throw std::invalid_argument("HostArena: released a block of another arena");
 }
 
 std::size_t HostArena::reserved_bytes_locked() const {

@@ -44,25 +44,68 @@ OffloadPipeline::~OffloadPipeline() {
 std::shared_ptr<HostParam> OffloadPipeline::add_param(std::size_t numel, DType weight_dtype,
                                                       bool accumulate, std::int64_t priority) {
   TS_EXPECTS(numel > 0, "OffloadPipeline: zero-size parameter");
-  HostArena& arena = transfer_->arena();
   auto p = std::make_shared<HostParam>();
   p->numel = numel;
   p->weight_dtype = weight_dtype;
   p->priority = priority;
-  p->master = static_cast<float*>(arena.allocate(4 * numel));
-  p->exp_avg = static_cast<float*>(arena.allocate(4 * numel));
-  p->exp_avg_sq = static_cast<float*>(arena.allocate(4 * numel));
-  p->grad = arena.allocate(p->weight_bytes());
-  if (accumulate) p->accumulator = static_cast<float*>(arena.allocate(4 * numel));
-  p->landing_dtype_ = weight_dtype;
-  if (weight_dtype == DType::float32) {
-    p->inexact_ = static_cast<std::uint32_t*>(arena.allocate(sizeof(std::uint32_t)));
-    p->packs_ = true;
-  }
-  zero_fill(engine_.pool(), p->exp_avg, 4 * numel);
-  zero_fill(engine_.pool(), p->exp_avg_sq, 4 * numel);
+  p->accumulates_ = accumulate;
+  take_state(*p);
   p->slot_ = transfer_->make_slot();
   return p;
+}
+
+std::size_t OffloadPipeline::take_state(HostParam& p) {
+  if (p.holds_state()) return 0;
+  HostArena& arena = transfer_->arena();
+  const std::size_t numel = p.numel;
+  p.master = static_cast<float*>(arena.allocate(4 * numel));
+  p.exp_avg = static_cast<float*>(arena.allocate(4 * numel));
+  p.exp_avg_sq = static_cast<float*>(arena.allocate(4 * numel));
+  p.grad = arena.allocate(p.weight_bytes());
+  if (p.accumulates_) p.accumulator = static_cast<float*>(arena.allocate(4 * numel));
+  p.landing_dtype_ = p.weight_dtype;
+  if (p.weight_dtype == DType::float32) {
+    p.inexact_ = static_cast<std::uint32_t*>(arena.allocate(sizeof(std::uint32_t)));
+    p.packs_ = true;
+  }
+  zero_fill(engine_.pool(), p.exp_avg, 4 * numel);
+  zero_fill(engine_.pool(), p.exp_avg_sq, 4 * numel);
+  return state_bytes(p);
+}
+
+std::size_t OffloadPipeline::release_state(HostParam& p) {
+  {
+    std::unique_lock<std::mutex> lock(mutex_);
+    wait_idle(p, lock);  // no job may still read or write its buffers
+    TS_EXPECTS(!p.keeps_weights_, "OffloadPipeline: a streamed parameter's weights live in its host state");
+    if (!p.holds_state()) return 0;
+    p.speculated_.reset();
+  }
+  const std::size_t bytes = state_bytes(p);
+  HostArena& arena = transfer_->arena();
+  const std::size_t numel = p.numel;
+  arena.release(p.master, 4 * numel);
+  arena.release(p.exp_avg, 4 * numel);
+  arena.release(p.exp_avg_sq, 4 * numel);
+  arena.release(p.grad, p.weight_bytes());
+  arena.release(p.accumulator, 4 * numel);
+  arena.release(p.inexact_, sizeof(std::uint32_t));
+  if (p.next_exp_avg) {  // speculation's second set: in the spare arena, its bf16 rounding in the arena
+    spare_.release(p.next_exp_avg, 4 * numel);
+    spare_.release(p.next_exp_avg_sq, 4 * numel);
+    spare_.release(p.next_master, 4 * numel);
+    arena.release(p.next_bf16, 2 * numel);
+  }
+  p.master = p.exp_avg = p.exp_avg_sq = p.accumulator = nullptr;
+  p.next_exp_avg = p.next_exp_avg_sq = p.next_master = nullptr;
+  p.grad = nullptr;
+  p.inexact_ = nullptr;
+  p.next_bf16 = nullptr;
+  return bytes;
+}
+
+std::size_t OffloadPipeline::state_bytes(const HostParam& p) {
+  return (12 + (p.accumulates_ ? 4 : 0)) * p.numel + p.weight_bytes();
 }
 
 }  // namespace trainstream

@@ -30,19 +30,21 @@ CLIP_EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_
 class Clipping:
     """The norms and the speculation of one optimizer.
 
-    `vram_room(nbytes)` says whether the placement leaves `nbytes` of VRAM for held update terms;
-    `distributed` whether DDP or FSDP2 owns the gradients (their terms are never held, their
-    verdicts never computed on the device)."""
+    `vram_room(nbytes)` says whether the placement leaves `nbytes` of VRAM for held update terms,
+    `host_held()` how many host bytes TrainStream holds now; under DDP or FSDP2
+    (`data_parallel`, `shards`) the gradients are theirs: their terms are never held, their
+    verdicts never computed on the device."""
 
     def __init__(self, engine: Engine, slots: Slots, resident: ResidentAdamW, *, max_grad_norm: float | None,
                  track_grad_norm: bool, speculative: bool, data_parallel, shards,
-                 vram_room: Callable[[int], bool]) -> None:
+                 vram_room: Callable[[int], bool], host_held: Callable[[], int]) -> None:
         self._engine = engine
         self._slots = slots
         self._resident = resident
         self._dp = data_parallel
         self._shards = shards
         self._vram_room = vram_room
+        self._host_held = host_held
         self.max_grad_norm = max_grad_norm
         self.track_norm = track_grad_norm or max_grad_norm is not None
         # offloaded gradients' squared norms, taken on the device as they arrive (made at the first
@@ -79,14 +81,19 @@ class Clipping:
         """How many offloaded parameters may update before the global norm is known."""
         return self._counts["params"]
 
+    @property
+    def host_bytes(self) -> int:
+        """Host memory the second state sets hold."""
+        return self._counts["host_bytes"]
+
     def enable_speculation(self, paged_bytes: int = 0) -> None:
         """With clipping: next-state buffers for the offloaded parameters, first those whose
-        gradients arrive first (they have the most backward to hide behind), as many as host
-        memory holds beyond a reserve and the plan's `paged_bytes` of activations; the rest wait
-        for the norm."""
+        gradients arrive first (they have the most backward to hide behind), as many as the host
+        budget holds beyond what TrainStream holds already and the plan's `paged_bytes` of
+        activations; the rest wait for the norm."""
         if self.max_grad_norm is None or not self.on:
             return
-        room = self._engine.host_room() - paged_bytes
+        room = self._engine.host_room(self._host_held()) - paged_bytes
         pipeline, host_tensor = self._engine.pipeline, self._engine.host_tensor
         for s in reversed(self._slots.order):
             if s.next_state is not None or not s.offloaded or s.streamed or self._slots.sums_on_host(s):
@@ -107,6 +114,13 @@ class Clipping:
                 s.next_state["master_param"] = host_tensor(s.host, "next_master", s.weight)
         self.recount()
         self.plan_term_holding()
+
+    def forget(self, slot: Slot) -> None:
+        """`slot` became resident: its second state set goes with its host state."""
+        self._counts["host_bytes"] -= self._engine.pipeline.speculation_bytes(slot.weight.numel(),
+                                                                             DTYPE_NAMES[slot.param.dtype])
+        slot.next_state = None
+        self.recount()
 
     def plan_term_holding(self) -> None:
         """Whether speculated fp32 update terms go up at once, each into its gradient's VRAM, kept

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict
+from typing import Callable
 
 import torch
 
@@ -14,12 +15,14 @@ from trainstream.units import format_size
 
 
 class Reporter:
-    """describe() and report() of one optimizer, from its rooms' public state. `data_parallel`
+    """describe() and report() of one optimizer, from its rooms' public state. `host_memory()`
+    gives the host bytes TrainStream holds by role (OffloadedAdamW.host_memory); `data_parallel`
     and `shards` are the DDP and FSDP2 engines (None when not in use)."""
 
     def __init__(self, engine: Engine, slots: Slots, clipping: Clipping, tiers: Promotion, *,
-                 data_parallel, shards) -> None:
+                 host_memory: Callable[[], dict], data_parallel, shards) -> None:
         self._engine = engine
+        self._host_memory = host_memory
         self._slots = slots
         self._clipping = clipping
         self._tiers = tiers
@@ -78,12 +81,13 @@ class Reporter:
                 + f"; windows committed {spec['hits']}, redone {spec['misses']}, waited after a clip {spec['waited']}")
 
     def _host_memory_line(self) -> str:
-        """Host memory by what it holds, per parameter that has host state ("" if none)."""
-        pipeline = self._engine.pipeline
-        used, paging = pipeline.host_used_bytes, self._tiers.paging_slot_bytes()
+        """Host memory by what it holds, per parameter that has host state, against the host
+        budget ("" if none is held)."""
+        pipeline, holds = self._engine.pipeline, self._host_memory()
+        used, paging = pipeline.host_used_bytes, holds["activation_slots"]
         if not used and not paging:
             return ""
-        slots = [s for s in self._slots.order if s.host is not None]
+        slots = [s for s in self._slots.order if s.host is not None and s.host.holds_state]
         held = ["fp32 master", "two moments", "a gradient buffer"]
         if any(s.host.has_accumulator for s in slots):
             held.append("an fp32 sum of micro-batches")
@@ -92,13 +96,14 @@ class Reporter:
         numel = sum(s.weight.numel() for s in slots)
         parts = [f"{format_size(used)} {pipeline.host_memory_kind} for the offloaded state"
                  + (f" ({used / numel:.1f} B a parameter: {', '.join(held)})" if numel else "")]
-        # (the profiled steps offload every parameter; the arena keeps what they took)
-        kept = sum(1 for s in slots if s.resident)
-        if kept:
-            parts[0] += f", still held for the {kept} parameters now resident"
+        if holds["state"] > 1.05 * used:  # (the arena takes memory in slabs of 256 MiB)
+            parts[0] += f" in {format_size(holds['state'])} of slabs"
         if paging:
             parts.append(f"{format_size(paging)} of slots for paged activations")
-        return "host memory: " + ", ".join(parts)  # (speculation's: on the clipping line)
+        if holds["streamed_frozen_weights"]:
+            parts.append(f"{format_size(holds['streamed_frozen_weights'])} of streamed frozen weights")
+        # (speculation's share: on the clipping line)
+        return f"host memory: {self._engine.host_budget.describe(sum(holds.values()))}: " + ", ".join(parts)
 
     # ----------------------------------------------------------------------- report()
     def report(self) -> dict:
@@ -113,6 +118,10 @@ class Reporter:
             "host_bytes_reserved": pipeline.host_reserved_bytes,
             "host_bytes_used": pipeline.host_used_bytes,
             "host_bytes_per_param": pipeline.host_used_bytes / max(numel, 1),
+            # everything TrainStream holds in host memory, by role, and the budget it is held under
+            "host_budget": {"limit_bytes": self._engine.host_budget.limit, "source": self._engine.host_budget.source,
+                            "available_bytes": self._engine.host_budget.available,
+                            "margin_bytes": self._engine.host_budget.margin, "held_bytes": self._host_memory()},
             "isa": pipeline.isa,
             "threads": pipeline.threads,
             "engine_niceness": pipeline.niceness,  # how much nicer than the training loop they run

@@ -22,6 +22,7 @@ import weakref
 import torch
 
 from trainstream import placement as planner
+from trainstream import progress
 from trainstream.backward import GradientHooks
 from trainstream.checkpoint import Checkpoint
 from trainstream.clipping import Clipping
@@ -106,20 +107,22 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self.clipping = Clipping(engine, self.slots, self._resident, max_grad_norm=max_grad_norm,
                                  track_grad_norm=tuning.track_grad_norm, speculative=tuning.speculative_clipping,
                                  data_parallel=data_parallel, shards=sharded,
-                                 vram_room=lambda need: self.promotion.vram_room(need))
+                                 vram_room=lambda need: self.promotion.vram_room(need),
+                                 host_held=lambda: sum(self.host_memory().values()))
         self.gates = ForwardGates(engine, self.slots, model, whole_forward=sharded is not None,
                                   release_terms=self.clipping.release_terms, holds_terms=self.clipping.holds_terms)
         self.promotion = Promotion(engine, self.slots, self.window, self.clipping, model, pager=activation_pager,
                                    placement=tuning.placement, vram_budget=vram_budget,
                                    accumulate_in_vram=tuning.accumulate_in_vram, prefetch_depth=tuning.prefetch_depth,
                                    data_parallel=data_parallel, synchronize=self.synchronize,
-                                   tiers_changed=self._tiers_changed, planned=self._planned)
+                                   tiers_changed=self._tiers_changed, planned=self._planned,
+                                   host_held=lambda: sum(self.host_memory().values()))
         self.gradient_hooks = GradientHooks(engine, self.slots, self.window, self.clipping, self.gates, self.promotion,
                                        data_parallel=data_parallel, shards=sharded)
         self._checkpoint = Checkpoint(engine, self.slots, self.param_groups, data_parallel=data_parallel,
                                       shards=sharded)
-        self._reporter = Reporter(engine, self.slots, self.clipping, self.promotion, data_parallel=data_parallel,
-                                  shards=sharded)
+        self._reporter = Reporter(engine, self.slots, self.clipping, self.promotion, host_memory=self.host_memory,
+                                  data_parallel=data_parallel, shards=sharded)
         self._hooks: list = []
         self._register(model, streamed or [])
         self.pack_gradients = tuning.pack_gradients
@@ -146,31 +149,19 @@ class OffloadedAdamW(torch.optim.Optimizer):
         owners = self._dp.owners if self._dp is not None else None
         away = {id(p) for module in streamed for p in module.parameters()}  # offloaded, whatever the placement
         on_grad = _weakly(self.gradient_hooks.on_grad)
-        for i, (p, group) in enumerate(trainable):
-            weight = local_shard(p) if self._shards is not None else p
-            peer = owners is not None and owners[i] != self._dp.rank or weight.numel() == 0
-            resident = i < resident_count and not peer and id(p) not in away
-            host = None
-            if not resident and not peer:
-                # registration order stands in for forward order (embeddings, layers, head)
-                host = pipeline.add_param(weight.numel(), DTYPE_NAMES[p.dtype], host_sums, i)
-                if weight.device == engine.device:  # (else a streamed one in host memory: see Promotion.stream)
-                    pipeline.load_weights(host, weight.data_ptr(), engine.current_stream())
-            slot = Slot(p, host, group, weight._version, i, peer=peer, sharded=self._shards is not None)
-            slot.state = {"step": torch.tensor(0.0)}
-            if resident:
-                slot.resident = True
-                slot.device_state = ResidentAdamW.new_state(p, acc if self._dp is None else 1)
-                slot.state.update({k: v for k, v in slot.device_state.items() if k != "accumulator"})
-            elif not peer:
-                slot.state.update(engine.host_state(slot))
-                slot.sum_in_vram = acc > 1 and (self._dp is not None or
-                                                self._vram_sums is True and p.dtype == torch.float32)
-            if not peer:  # a peer's state lives on its owner
-                self.state[p] = slot.state
-            self.slots.add(slot)
-            self._hooks.append(p.register_post_accumulate_grad_hook(on_grad))
-            _OWNERS[id(p)] = (weakref.ref(p), weakref.ref(self))
+        offloaded = sum(p.numel() for i, (p, _) in enumerate(trainable) if i >= resident_count or id(p) in away)
+        with progress.stage(f"host memory for {offloaded / 1e9:.2f}B offloaded parameters"):
+            shown = progress.bar(offloaded, "host memory for the offloaded state", unit="param")
+            for i, (p, group) in enumerate(trainable):
+                slot = self._new_slot(i, p, group, resident=i < resident_count and id(p) not in away,
+                                      host_sums=host_sums, owner=None if owners is None else owners[i])
+                if not slot.peer:  # a peer's state lives on its owner
+                    self.state[p] = slot.state
+                self.slots.add(slot)
+                self._hooks.append(p.register_post_accumulate_grad_hook(on_grad))
+                _OWNERS[id(p)] = (weakref.ref(p), weakref.ref(self))
+                shown.update(0 if slot.resident else p.numel())
+            shown.close()
         self.gates.layout()
         self.gates.on = bool(self.gates.hosts)
         engine.ensure_staging(self.slots)
@@ -188,6 +179,31 @@ class OffloadedAdamW(torch.optim.Optimizer):
         # Reads and writes of the weights outside forward (saving, loading) see settled values.
         self._hooks.append(model.register_state_dict_pre_hook(lambda *_: self.synchronize()))
         self._hooks.append(model.register_load_state_dict_pre_hook(lambda *_: self.synchronize()))
+
+    def _new_slot(self, i: int, p: torch.nn.Parameter, group: dict, *, resident: bool, host_sums: bool,
+                  owner: int | None) -> Slot:
+        """Trainable parameter `i`'s slot: its host state (taken here) or its device state; none
+        for another rank's (`owner`) or an empty FSDP2 shard."""
+        acc, engine, pipeline = self.slots.accumulation_steps, self.engine, self.engine.pipeline
+        weight = local_shard(p) if self._shards is not None else p
+        peer = owner is not None and owner != self._dp.rank or weight.numel() == 0
+        resident = resident and not peer
+        host = None
+        if not resident and not peer:
+            # registration order stands in for forward order (embeddings, layers, head)
+            host = pipeline.add_param(weight.numel(), DTYPE_NAMES[p.dtype], host_sums, i)
+            if weight.device == engine.device:  # (else a streamed one in host memory: see Promotion.stream)
+                pipeline.load_weights(host, weight.data_ptr(), engine.current_stream())
+        slot = Slot(p, host, group, weight._version, i, peer=peer, sharded=self._shards is not None)
+        slot.state = {"step": torch.tensor(0.0)}
+        if resident:
+            slot.resident = True
+            slot.device_state = ResidentAdamW.new_state(p, acc if self._dp is None else 1)
+            slot.state.update({k: v for k, v in slot.device_state.items() if k != "accumulator"})
+        elif not peer:
+            slot.state.update(engine.host_state(slot))
+            slot.sum_in_vram = acc > 1 and (self._dp is not None or self._vram_sums is True and p.dtype == torch.float32)
+        return slot
 
     def _tiers_changed(self) -> None:
         """Parameters started streaming: fewer speculate, and their uploads are not the gates'."""
@@ -481,6 +497,16 @@ class OffloadedAdamW(torch.optim.Optimizer):
         how many terms have done so (terms_held), and windows committed (hits), redone (misses) or
         not speculated because the last norm clipped (waited)."""
         return self.clipping.speculation
+
+    def host_memory(self) -> dict:
+        """Host bytes TrainStream holds now, by what they hold: the offloaded parameters' state
+        (fp32 masters, moments, landing buffers, sums of micro-batches, streamed bf16 weights),
+        speculation's second state sets, the paged activations' slots, and streamed frozen
+        weights. All of it counts against the host budget (`report()["host_budget"]`)."""
+        streamer = self.promotion.streamer
+        return {"state": self.engine.pipeline.host_reserved_bytes, "speculation": self.clipping.host_bytes,
+                "activation_slots": self.promotion.paging_slot_bytes(),
+                "streamed_frozen_weights": streamer.pinned_bytes if streamer is not None else 0}
 
     def describe(self) -> str:
         """Where everything lives and why, in a few readable lines."""

@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 
 from trainstream import placement as planner
+from trainstream import progress
 from trainstream.activations import light as light_recompute
 from trainstream.clipping import Clipping
 from trainstream.errors import VramBudgetError
@@ -36,12 +37,14 @@ class Promotion:
 
     Called back: `synchronize()` to settle every queued update, `tiers_changed()` when
     parameters start streaming, `planned()` once a plan is in force (the optimizer re-derives
-    what depends on it: speculation, gates, staging, packing)."""
+    what depends on it: speculation, gates, staging, packing); `host_held()` says how many host
+    bytes TrainStream holds now."""
 
     def __init__(self, engine: Engine, slots: Slots, window: Window, clipping: Clipping, model: torch.nn.Module,
                  *, pager, placement: str | float, vram_budget: int | None, accumulate_in_vram: bool | None,
                  prefetch_depth: int, data_parallel, synchronize: Callable[[], None],
-                 tiers_changed: Callable[[], None], planned: Callable[[], None]) -> None:
+                 tiers_changed: Callable[[], None], planned: Callable[[], None],
+                 host_held: Callable[[], int]) -> None:
         self._engine = engine
         self._slots = slots
         self._window = window
@@ -57,6 +60,7 @@ class Promotion:
         self._synchronize = synchronize
         self._tiers_changed = tiers_changed
         self._planned = planned
+        self._host_held = host_held
         self.plan: planner.Plan | None = None  # the placement in force, once planned
         self.profile: planner.Profile | None = None
         self.profiler: StepProfiler | None = None
@@ -73,6 +77,7 @@ class Promotion:
     def start_profiling(self) -> None:
         """Under placement "auto": the second window will be profiled."""
         away = self.streamer.weight_bytes - self.streamer.window_bytes if self.streamer is not None else 0
+        log.info("trainstream: the second step is profiled with every parameter offloaded; the plan follows it")
         self.profiler = StepProfiler(self._model, [s.param for s in self._slots.order], self._engine.device, away)
         self._stats_at_start = self._engine.pipeline.stats()
 
@@ -125,9 +130,10 @@ class Promotion:
     def _promote(self) -> None:
         """Plans from the profile and moves everything where the plan puts it."""
         self._synchronize()
-        profile = self._build_profile()
-        budget = self.vram_budget
-        plan = planner.plan_placement(profile, budget)
+        with progress.stage("planning from the profiled step"):
+            profile = self._build_profile()
+            budget = self.vram_budget
+            plan = planner.plan_placement(profile, budget)
         profiled_peak = max(profile.forward_peak, profile.tail_peak)
         if not plan.fits and profiled_peak <= budget:
             # The estimate (with its reserve) says no, but the profiled steps ran within the budget:
@@ -150,7 +156,8 @@ class Promotion:
                 f"{planner.reserve_for(budget) / 1e9:.2f} GB for the estimate. Raise the budget, lower "
                 f"the batch or sequence length, or use bf16 weights.")
         self.profile = profile
-        self.apply(plan)
+        with progress.stage("moving parameters and activations where the plan puts them"):
+            self.apply(plan)
 
     def _build_profile(self) -> planner.Profile:
         pager = self.active_pager
@@ -223,7 +230,8 @@ class Promotion:
             weight_bytes=sum(p.numel() * p.element_size() for p in self._model.parameters()),
             fixed_activations=not deferred, streamed=self.streamed_count() if blocks else 0,
             stream_depth=self._depth, recompute=pager is None or pager.recompute,
-            host_room=None if math.isinf(room := self._engine.host_room()) else int(room) + self.paging_slot_bytes())
+            host_room=None if math.isinf(room := self._engine.host_room(self._host_held()))
+            else int(room) + self.paging_slot_bytes())
 
     def apply(self, plan: planner.Plan) -> None:
         """Moves every parameter to where `plan` puts it (between steps: nothing is in flight)."""
@@ -263,7 +271,8 @@ class Promotion:
             torch.cuda.reset_peak_memory_stats(self._engine.device)
 
     def move(self, slot: Slot, resident: bool) -> None:
-        """Moves one parameter's gradient and AdamW state (and bf16 master) between VRAM and host."""
+        """Moves one parameter's gradient and AdamW state (and bf16 master) between VRAM and host:
+        a parameter made resident gives its host memory back, one offloaded again takes it anew."""
         p, engine = slot.param, self._engine
         if resident:
             # (under DDP, .grad holds the window's sum: no fp32 sum of micro-batches beside it)
@@ -273,7 +282,12 @@ class Promotion:
                 state[key].copy_(value)
             slot.device_state = state
             slot.state.update({k: v for k, v in state.items() if k != "accumulator"})
+            if slot.next_state is not None:
+                self._clipping.forget(slot)
+            del host  # (views of buffers given back now)
+            engine.pipeline.release_state(slot.host)
         else:
+            engine.pipeline.take_state(slot.host)
             host = engine.host_state(slot)
             for key, value in host.items():
                 value.copy_(slot.device_state[key])

@@ -15,6 +15,7 @@ import torch
 
 from trainstream._native import _C
 from trainstream.distributed import local_shard
+from trainstream.host_budget import HostBudget
 
 # fp32 update terms cross to VRAM through a staging buffer of at most this many floats (64 MiB),
 # a piece at a time for larger parameters.
@@ -133,10 +134,12 @@ class Engine:
     the VRAM buffer that fp32 update terms cross through. `pipeline` is read at every use, so a
     test or a benchmark may put a wrapper in its place (a spy, a timer)."""
 
-    def __init__(self, pipeline, device: torch.device, streams: tuple | None) -> None:
+    def __init__(self, pipeline, device: torch.device, streams: tuple | None,
+                 host_budget: HostBudget | None = None) -> None:
         self.pipeline = pipeline
         self.device = device
         self.streams = streams  # (download, upload) torch streams, kept alive here; None on the CPU
+        self.host_budget = host_budget if host_budget is not None else HostBudget(None, "none given")
         self.staging: torch.Tensor | None = None
 
     def current_stream(self) -> int:
@@ -157,11 +160,14 @@ class Engine:
             state["master_param"] = self.host_tensor(slot.host, "master", slot.weight)
         return state
 
-    @staticmethod
-    def host_room() -> float:
-        """Host memory free for pinned activations and speculation, beyond the reserve."""
+    def host_room(self, held: int) -> float:
+        """Host memory left for pinned activations and speculation: within the host budget, less
+        the `held` bytes TrainStream holds already, and within what the host has free now, beyond
+        a reserve (pinning can fail before MemAvailable reaches 0)."""
         available = _C.host_memory_available()
-        return max(0, available - max(HOST_RESERVE, available // 10)) if available else float("inf")
+        free = max(0, available - max(HOST_RESERVE, available // 10)) if available else float("inf")
+        limit = self.host_budget.limit
+        return min(free, max(0, limit - held) if limit is not None else float("inf"))
 
     def ensure_staging(self, slots: Slots) -> None:
         """The staging buffer sized for the largest offloaded fp32 parameter (at most

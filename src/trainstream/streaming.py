@@ -73,6 +73,7 @@ class WeightStreamer:
         self._attached = False  # the parameters hold their device tensors (a forward is running)
         self.copies = 0  # block copies issued, for report()
         self.copied_bytes = 0
+        self.pinned_bytes = 0  # host memory of its own: frozen weights (trainable ones are the pipeline's)
 
     # ----------------------------------------------------------------------- set-up
     def add(self, module: torch.nn.Module, position: int, host_of, gate) -> None:
@@ -89,6 +90,7 @@ class WeightStreamer:
             if host is None:
                 host = torch.empty(p.shape, dtype=p.dtype, pin_memory=self._cuda)
                 host.copy_(p.detach())
+                self.pinned_bytes += host.nbytes
             if p.device != self.device:  # a model wrap() is placing from host memory
                 device = torch.empty(p.shape, dtype=p.dtype, device=self.device)
             else:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import re
+import time
 from dataclasses import replace
 
 import torch
@@ -15,12 +17,15 @@ from trainstream.distributed import (DataParallel, Sharded, check_ddp, check_fsd
                                      local_shard, partition)
 from trainstream.errors import (HostMemoryError, UnsupportedSetupError, VramBudgetError, check_compile_mode,
                                 check_not_distributed, check_optimizer, check_weight_dtype)
+from trainstream.host_budget import HostBudget, read_host_budget
 from trainstream.optimizer import OffloadedAdamW, resident_at_start, wrapped_by
 from trainstream.placement import last_streamable, reserve_for, share_or_floor, weights_on_device
 from trainstream.slots import Engine
 from trainstream.streaming import shared_outside
 from trainstream.tuning import Tuning
 from trainstream.units import parse_bytes
+
+log = logging.getLogger("trainstream")
 
 _GIB = 1 << 30
 # Left out of the default budget for what torch's allocator holds beyond the allocated bytes: a
@@ -52,6 +57,7 @@ def wrap(
     max_grad_norm: float | None = None,
     accumulation_steps: int = 1,
     vram_budget: int | str | None = None,
+    host_budget: int | str | None = None,
     activations: str | float = "auto",
     blocks: list[torch.nn.Module] | None = None,
     tuning: Tuning | None = None,
@@ -75,6 +81,11 @@ def wrap(
         vram_budget: the peak VRAM a step may use, in bytes or as a string like "20GB". None: what
             this process can use on its device at wrap() time (free memory plus what it already
             holds, within torch.cuda.set_per_process_memory_fraction), less 5% for fragmentation.
+        host_budget: the host memory TrainStream may take, in bytes or as a string like "64GB".
+            None: what this process may use at wrap() time (MemAvailable, or the room under its
+            cgroup's memory limit where that is less), less a margin of 10% (at least 4 GiB). The
+            offloaded state must fit it, or wrap() refuses before pinning anything; speculation's
+            second state sets and paged activations' slots take what is left.
         activations: "auto" (default): the planner keeps, pages or recomputes each block's saved
             activations; "off": no saved-tensor hooks at all; a float in [0, 1]: page that share
             of the blocks. Paging and recomputing are bit-exact.
@@ -89,6 +100,7 @@ def wrap(
     Returns:
         (model, optimizer): the same model with hooks attached, and the optimizer to step.
     """
+    started = time.perf_counter()
     target_device = device
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -158,12 +170,13 @@ def wrap(
         raise UnsupportedSetupError(f"parameters on {device} are not supported (CUDA or CPU only)")
     host_accumulator = accumulation_steps > 1 and tuning.accumulate_in_vram is not True and ddp is None
     unique = list({id(p): p for p in trainable}.values())
+    host = read_host_budget(host_budget)
     if sharded:
-        _check_host_memory([local_shard(p) for p in unique], host_accumulator)
+        _check_host_memory([local_shard(p) for p in unique], host_accumulator, host)
     elif ddp is not None:
         owners = partition([p.numel() for p in unique], torch.distributed.get_world_size(ddp.process_group))
         rank = torch.distributed.get_rank(ddp.process_group)
-        _check_host_memory([p for p, owner in zip(unique, owners) if owner == rank], host_accumulator)
+        _check_host_memory([p for p, owner in zip(unique, owners) if owner == rank], host_accumulator, host)
     auto = tuning.placement == "auto"
     budget = None if vram_budget is None else parse_bytes(vram_budget)
     if device.type == "cuda":
@@ -200,12 +213,13 @@ def wrap(
     else:
         streamed = _streamed_blocks(model, tuning.streamed_blocks, stream_from, ddp is not None or sharded)
     if ddp is None and not sharded:  # (before the optimizer pins any of it)
-        _check_host_memory(unique[resident_at_start(tuning.placement, len(unique)):], host_accumulator, streamed)
+        _check_host_memory(unique[resident_at_start(tuning.placement, len(unique)):], host_accumulator, host,
+                           streamed)
     if on_host:
         _place(model, device, streamed)
     data_parallel = DataParallel(ddp, owners) if ddp is not None else None
     wrapped = OffloadedAdamW(
-        optimizer, model, Engine(pipeline, device, streams), tuning=tuning, max_grad_norm=max_grad_norm,
+        optimizer, model, Engine(pipeline, device, streams, host), tuning=tuning, max_grad_norm=max_grad_norm,
         accumulation_steps=int(accumulation_steps), vram_budget=budget if auto else None, activation_pager=pager,
         data_parallel=data_parallel, sharded=Sharded(trainable) if sharded else None, streamed=streamed,
     )
@@ -213,6 +227,7 @@ def wrap(
         pager.settle = wrapped.synchronize
     for p in trainable:
         p.grad = None
+    log.info("trainstream: wrap() done in %.1f s", time.perf_counter() - started)
     return model, wrapped
 
 
@@ -327,21 +342,24 @@ def streamed_host_bytes(modules: list[torch.nn.Module]) -> int:
                else p.numel() * p.element_size() for p in params)
 
 
-def _check_host_memory(params: list[torch.Tensor], host_accumulator: bool,
+def _check_host_memory(params: list[torch.Tensor], host_accumulator: bool, budget: HostBudget,
                        streamed: list[torch.nn.Module] = ()) -> None:
+    """Refuses, before anything is pinned, offloaded state that the host budget cannot hold."""
     needed = sum(p.numel() * host_bytes_per_param(p.dtype, host_accumulator) for p in params)
     weights = streamed_host_bytes(list(streamed))
-    available = _C.host_memory_available()
-    if available and needed + weights > available:
+    if budget.limit is not None and needed + weights > budget.limit:
         count = max(sum(p.numel() for p in params), 1)
+        origin = (f"what this process may use now ({budget.source}) less a margin of {budget.margin / _GIB:.1f} GiB"
+                  if budget.margin else budget.source)
         raise HostMemoryError(
             f"TrainStream needs {(needed + weights) / _GIB:.1f} GiB of host RAM: {needed / _GIB:.1f} GiB for "
             f"{count / 1e9:.2f}B offloaded parameters ({needed / count:.0f} bytes each: fp32 master weights, "
             f"two AdamW moments, a gradient buffer{', an fp32 accumulator' if host_accumulator else ''})"
             + (f" and {weights / _GIB:.1f} GiB more for the weights of {len(streamed)} streamed blocks (bf16 "
                f"copies of bf16 weights, frozen weights whole)" if weights else "")
-            + f", but only {available / _GIB:.1f} GiB is available. Free host memory, freeze some parameters, "
-            f"or use a machine with more RAM.")
+            + f", but the host budget is {budget.limit / _GIB:.1f} GiB ({origin}). Nothing was pinned. Raise "
+            f"host_budget if the host has the memory, free host memory, keep more parameters on the GPU "
+            f"(Tuning(placement=...)), freeze some, or use a machine with more RAM.")
 
 
 def _activation_policy(activations, budget, device: torch.device,

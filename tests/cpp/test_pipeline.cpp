@@ -225,6 +225,66 @@ TEST_CASE("jobs submitted together give what they give one at a time; a bad one 
   CHECK(std::memcmp(before.data(), weights[3].data(), 4 * n) == 0);  // nothing ran
 }
 
+TEST_CASE("a slab goes back once every block in it is given back, not before") {
+  HostArena arena(std::make_unique<PageableSlabs>(), 1 << 20);
+  void* a = arena.allocate(300 << 10);
+  void* b = arena.allocate(300 << 10);
+  void* big = arena.allocate(3 << 20);  // a slab of its own
+  CHECK(arena.slab_count() == 2 && arena.reserved_bytes() == (1 << 20) + (3 << 20));
+  arena.release(big, 3 << 20);
+  CHECK(arena.slab_count() == 1 && arena.reserved_bytes() == (1 << 20));
+  arena.release(a, 300 << 10);
+  CHECK(arena.slab_count() == 1 && arena.used_bytes() == HostArena::rounded(300 << 10));
+  void* c = arena.allocate(100 << 10);  // a's space is not handed out again: after b
+  CHECK(c == static_cast<char*>(b) + HostArena::rounded(300 << 10));
+  arena.release(b, 300 << 10);
+  CHECK(arena.slab_count() == 1);
+  arena.release(c, 100 << 10);
+  CHECK(arena.slab_count() == 0 && arena.reserved_bytes() == 0 && arena.used_bytes() == 0);
+  int elsewhere = 0;
+  CHECK_THROWS_AS(arena.release(&elsewhere, 4), std::invalid_argument);
+}
+
+TEST_CASE("a released parameter's host state goes back, is refused, and comes back zeroed") {
+  const std::size_t n = 1 << 16;  // 256 KiB a buffer: a 1 MiB slab holds few of them
+  Rig rig;
+  std::vector<float> weights(n, 0.5f), grad(n, 0.25f);
+  const auto w = reinterpret_cast<std::uintptr_t>(weights.data());
+  std::vector<std::shared_ptr<HostParam>> params;
+  for (int k = 0; k < 3; ++k) {
+    params.push_back(rig.pipeline->add_param(n, DType::float32, k == 2, k));
+    rig.pipeline->load_weights(*params.back(), w, 0);
+  }
+  HostArena& arena = rig.transfer->arena();
+  const std::size_t held = arena.reserved_bytes();
+  rig.pipeline->land_gradient(params[0], reinterpret_cast<std::uintptr_t>(grad.data()), 0, update_job(w));
+  rig.transfer->land_all();
+  rig.pipeline->enable_speculation(*params[0]);
+  // the first parameter's queued update runs before its buffers go
+  CHECK(rig.pipeline->release_state(*params[0]) == OffloadPipeline::state_bytes(*params[0]));
+  CHECK(weights[0] != 0.5f);
+  CHECK(!params[0]->holds_state() && params[0]->next_exp_avg == nullptr);
+  CHECK(rig.pipeline->release_state(*params[0]) == 0);
+  for (auto& p : params) rig.pipeline->release_state(*p);
+  CHECK(arena.reserved_bytes() == 0 && arena.used_bytes() == 0 && held > 0);
+  CHECK_THROWS_AS(rig.pipeline->submit(params[1], update_job(w)), std::invalid_argument);
+  CHECK_THROWS_AS(rig.pipeline->land_gradient(params[1], reinterpret_cast<std::uintptr_t>(grad.data()), 0,
+                                              GradJob{}), std::invalid_argument);
+  CHECK_THROWS_AS(rig.pipeline->load_weights(*params[1], w, 0), std::invalid_argument);
+  CHECK_THROWS_AS(rig.pipeline->enable_speculation(*params[1]), std::invalid_argument);
+  // offloaded again: fresh buffers, moments zero, an accumulator where it had one
+  CHECK(rig.pipeline->take_state(*params[2]) == OffloadPipeline::state_bytes(*params[2]));
+  CHECK(params[2]->holds_state() && params[2]->accumulator != nullptr);
+  bool zero = true;
+  for (std::size_t i = 0; i < n; ++i) zero = zero && params[2]->exp_avg[i] == 0.0f && params[2]->exp_avg_sq[i] == 0.0f;
+  CHECK(zero);
+  rig.pipeline->load_weights(*params[2], w, 0);
+  rig.pipeline->land_gradient(params[2], reinterpret_cast<std::uintptr_t>(grad.data()), 0, update_job(w));
+  rig.transfer->land_all();
+  rig.pipeline->synchronize();
+  CHECK(params[2]->exp_avg[0] != 0.0f);
+}
+
 TEST_CASE("the update matches HostAdamW on the same buffers") {
   Rig rig;
   const std::size_t n = 4099;

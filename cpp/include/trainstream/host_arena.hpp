@@ -1,5 +1,5 @@
 // Host memory for parameters and optimizer state, carved out of large slabs that are allocated
-// (and, on CUDA, pinned) once and then live as long as the arena.
+// (and, on CUDA, pinned) once; a slab whose blocks have all been given back goes back to the OS.
 #pragma once
 
 #include <cstddef>
@@ -42,10 +42,13 @@ class HostArena {
   HostArena(const HostArena&) = delete;
   HostArena& operator=(const HostArena&) = delete;
 
-  // A 64-byte aligned block that lives as long as the arena. Requests larger than a slab get a
-  // slab of their own. Before growing, checks that the host can hold the new slab and refuses
-  // with the bytes needed if not.
+  // A 64-byte aligned block that lives until release() or the arena's end. Requests larger than a
+  // slab get a slab of their own. Before growing, checks that the host can hold the new slab and
+  // refuses with the bytes needed if not.
   void* allocate(std::size_t bytes);
+  // Gives back a block allocate(bytes) returned. Its space is not handed out again, but once every
+  // block of its slab is back, the slab goes back to its source (the OS, unpinned).
+  void release(void* block, std::size_t bytes);
 
   std::size_t reserved_bytes() const;  // in slabs
   std::size_t used_bytes() const;      // handed out
@@ -58,7 +61,8 @@ class HostArena {
   struct Slab {
     char* base;
     std::size_t bytes;
-    std::size_t used;
+    std::size_t used;  // handed out from the start of the slab (never reused)
+    std::size_t live;  // of that, not given back
   };
   std::unique_ptr<SlabSource> source_;
   std::size_t slab_bytes_;

@@ -59,6 +59,9 @@ class HostParam {
   bool packs_gradients() const { return packs_; }
   bool keeps_weights_on_host() const { return keeps_weights_; }
   bool last_gradient_as_bf16() const { return sent_bf16_; }
+  // False once OffloadPipeline::release_state gave its buffers back (the parameter is resident),
+  // until take_state takes new ones.
+  bool holds_state() const { return master != nullptr; }
 
  private:
   friend class OffloadPipeline;
@@ -67,6 +70,7 @@ class HostParam {
   std::atomic<bool> packs_{false};
   std::atomic<bool> sent_bf16_{false};
   bool keeps_weights_ = false;
+  bool accumulates_ = false;  // its state has an accumulator (take_state makes it one again)
   // Where the last speculated fp32 term went up (GradJob::device_term), until a job consumes it:
   // a commit applies it there, an update waits for its copy before writing the term buffer again.
   std::uintptr_t held_term_ = 0;
@@ -157,6 +161,14 @@ class OffloadPipeline {
   // Allocates a parameter's host buffers from the arena (zeroed moments).
   std::shared_ptr<HostParam> add_param(std::size_t numel, DType weight_dtype, bool accumulate,
                                        std::int64_t priority = 0);
+  // A parameter that became resident gives its host buffers back (speculation's included), once
+  // its queued jobs are done; a slab whose buffers are all back leaves the process. Returns the
+  // bytes given back. Jobs, landings and views on it are refused until take_state(), which takes
+  // fresh buffers, moments zeroed, for a parameter offloaded again (the caller fills them).
+  std::size_t release_state(HostParam& p);
+  std::size_t take_state(HostParam& p);
+  // Host bytes of a parameter's state: master, moments, landing buffer and accumulator.
+  static std::size_t state_bytes(const HostParam& p);
 
   HostAdamW& engine() { return engine_; }
   int niceness() const { return niceness_; }
@@ -384,7 +396,10 @@ class OffloadPipeline {
   std::size_t uploading_bytes_ = 0;  // their sum
   // Speculation:
   std::unique_ptr<TransferSlot> verdict_slot_;  // land_scale's downloads, one after another
-  double* verdict_host_ = nullptr;               // where they land (from the arena, on first use)
+  // Where they land, on first use: a page of its own, so that no slab of the state waits for it
+  // to go back (release_state).
+  std::unique_ptr<HostArena> verdict_arena_;
+  double* verdict_host_ = nullptr;
   bool stopping_ = false;
   std::exception_ptr error_;
   std::vector<std::thread> workers_;

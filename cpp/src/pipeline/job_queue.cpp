@@ -7,6 +7,7 @@
 namespace trainstream {
 
 void OffloadPipeline::check_job(const HostParam& p, const GradJob& job) {
+  TS_EXPECTS(p.holds_state(), kReleased);
   TS_EXPECTS(!(job.accumulate || job.from_accumulator) || p.accumulator,
              "OffloadPipeline: accumulation requested for a parameter without an accumulator");
   TS_EXPECTS(!job.speculate || !p.keeps_weights_, "OffloadPipeline: weights kept on the host do not speculate");

@@ -18,6 +18,7 @@ std::size_t OffloadPipeline::enable_speculation(HostParam& p) {
     std::unique_lock<std::mutex> lock(mutex_);
     wait_idle(p, lock);  // no job may be reading the pointers set below
     TS_EXPECTS(!p.keeps_weights_, "OffloadPipeline: weights kept on the host do not speculate");
+    TS_EXPECTS(p.holds_state(), kReleased);
     if (p.next_exp_avg) return 0;
   }
   const auto touched = [&](std::size_t bytes) {
@@ -71,7 +72,8 @@ std::shared_ptr<ClipScale> OffloadPipeline::land_scale(std::uintptr_t device_ver
   constexpr std::size_t bytes = 2 * sizeof(double);
   if (verdict_host_ == nullptr) {  // (verdicts are queued from one thread, the caller's)
     verdict_slot_ = transfer_->make_slot();
-    verdict_host_ = static_cast<double*>(transfer_->arena().allocate(bytes));
+    verdict_arena_ = std::make_unique<HostArena>(transfer_->slab_source(), 4096);
+    verdict_host_ = static_cast<double*>(verdict_arena_->allocate(bytes));
   }
   auto scale = std::make_shared<ClipScale>();
   {

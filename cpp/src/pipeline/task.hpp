@@ -10,6 +10,10 @@
 
 namespace trainstream {
 
+// What every call that would touch a released parameter's host state says (release_state).
+inline constexpr const char* kReleased =
+    "OffloadPipeline: this parameter's host state was given back (it is resident); take_state() first";
+
 // A queued job. Once started, its elements are split into chunks that the engine threads take
 // one at a time; every stage of a job is elementwise (the norm keeps one partial a norm block),
 // so chunks need no barrier between them, and a thread that finds no chunk left in a started

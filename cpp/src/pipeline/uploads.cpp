@@ -1,5 +1,6 @@
 // Upload scheduling: what goes up after a job, how much is on its way, and when the device may read it.
 #include "task.hpp"
+#include "trainstream/errors.hpp"
 #include "trainstream/grad_ops.hpp"
 
 namespace trainstream {
@@ -9,6 +10,7 @@ void OffloadPipeline::load_weights(HostParam& p, std::uintptr_t device_weight, s
     std::unique_lock<std::mutex> lock(mutex_);
     wait_idle(p, lock);
   }
+  TS_EXPECTS(p.holds_state(), kReleased);
   const bool bf16 = p.weight_dtype == DType::bfloat16;
   void* staging = bf16 ? p.grad : static_cast<void*>(p.master);
   transfer_->download(*p.slot_, staging, reinterpret_cast<const void*>(device_weight), p.weight_bytes(), stream, {});
@@ -19,6 +21,7 @@ void OffloadPipeline::load_weights(HostParam& p, std::uintptr_t device_weight, s
 std::size_t OffloadPipeline::keep_weights_on_host(HostParam& p) {
   std::unique_lock<std::mutex> lock(mutex_);
   wait_idle(p, lock);  // no job may be writing the rounding where it used to go
+  TS_EXPECTS(p.holds_state(), kReleased);
   if (p.keeps_weights_) return 0;
   std::size_t bytes = 0;
   if (p.weight_dtype == DType::bfloat16 && p.host_bf16 == nullptr) {
