@@ -82,8 +82,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
     opt.zero_grad()``. Build it with :func:`trainstream.wrap`.
 
     Its rooms are attributes, for tools and tests (not a stable API): ``engine`` (the native
-    pipeline and streams), ``slots`` (the parameters), ``gates``, ``gradient_hooks``, ``clipping``,
-    ``promotion``.
+    pipeline and streams), ``slots`` (the parameters), ``window``, ``gates``, ``gradient_hooks``,
+    ``clipping``, ``promotion``.
     """
 
     # Lets torch.amp.GradScaler hand itself to step(), where it is refused with a clear message.
@@ -107,8 +107,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self.clipping = Clipping(engine, self.slots, self._resident, max_grad_norm=max_grad_norm,
                                  track_grad_norm=tuning.track_grad_norm, speculative=tuning.speculative_clipping,
                                  data_parallel=data_parallel, shards=sharded,
-                                 vram_room=lambda need: self.promotion.vram_room(need),
-                                 host_held=lambda: sum(self.host_memory().values()))
+                                 vram_room=lambda need: self.promotion.vram_room(need), host_held=self._host_held)
         self.gates = ForwardGates(engine, self.slots, model, whole_forward=sharded is not None,
                                   release_terms=self.clipping.release_terms, holds_terms=self.clipping.holds_terms)
         self.promotion = Promotion(engine, self.slots, self.window, self.clipping, model, pager=activation_pager,
@@ -116,9 +115,9 @@ class OffloadedAdamW(torch.optim.Optimizer):
                                    accumulate_in_vram=tuning.accumulate_in_vram, prefetch_depth=tuning.prefetch_depth,
                                    data_parallel=data_parallel, synchronize=self.synchronize,
                                    tiers_changed=self._tiers_changed, planned=self._planned,
-                                   host_held=lambda: sum(self.host_memory().values()))
-        self.gradient_hooks = GradientHooks(engine, self.slots, self.window, self.clipping, self.gates, self.promotion,
-                                       data_parallel=data_parallel, shards=sharded)
+                                   host_held=self._host_held)
+        self.gradient_hooks = GradientHooks(engine, self.slots, self.window, self.clipping, self.gates,
+                                            self.promotion, data_parallel=data_parallel, shards=sharded)
         self._checkpoint = Checkpoint(engine, self.slots, self.param_groups, data_parallel=data_parallel,
                                       shards=sharded)
         self._reporter = Reporter(engine, self.slots, self.clipping, self.promotion, host_memory=self.host_memory,
@@ -507,6 +506,9 @@ class OffloadedAdamW(torch.optim.Optimizer):
         return {"state": self.engine.pipeline.host_reserved_bytes, "speculation": self.clipping.host_bytes,
                 "activation_slots": self.promotion.paging_slot_bytes(),
                 "streamed_frozen_weights": streamer.pinned_bytes if streamer is not None else 0}
+
+    def _host_held(self) -> int:
+        return sum(self.host_memory().values())
 
     def describe(self) -> str:
         """Where everything lives and why, in a few readable lines."""
