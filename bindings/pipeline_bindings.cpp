@@ -240,6 +240,10 @@ void bind_pipeline(py::module_& m) {
              py::gil_scoped_release release;
              return o.keep_weights_on_host(p);
            }, py::arg("param"), "Keeps the parameter's weights in host memory from now on; returns the host bytes taken.")
+      .def_static("state_bytes", [](std::size_t numel, const std::string& dtype, bool accumulate) {
+             return OffloadPipeline::state_bytes(numel, parse_dtype(dtype), accumulate);
+           }, py::arg("numel"), py::arg("weight_dtype"), py::arg("accumulate"),
+           "Host bytes of an offloaded parameter's state (master, moments, landing buffer, accumulator).")
       .def_static("speculation_bytes", [](std::size_t numel, const std::string& dtype) {
              return OffloadPipeline::speculation_bytes(numel, parse_dtype(dtype));
            }, py::arg("numel"), py::arg("weight_dtype"))

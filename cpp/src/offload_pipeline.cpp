@@ -104,8 +104,8 @@ std::size_t OffloadPipeline::release_state(HostParam& p) {
   return bytes;
 }
 
-std::size_t OffloadPipeline::state_bytes(const HostParam& p) {
-  return (12 + (p.accumulates_ ? 4 : 0)) * p.numel + p.weight_bytes();
+std::size_t OffloadPipeline::state_bytes(std::size_t numel, DType weight_dtype, bool accumulate) {
+  return (12 + (accumulate ? 4 : 0) + dtype_size(weight_dtype)) * numel;
 }
 
 }  // namespace trainstream

@@ -2,10 +2,10 @@
 
 wrap(host_budget=None) takes what this process may still use when wrap() runs, MemAvailable
 and, where the process runs in a cgroup with a memory limit, that limit less the cgroup's
-working set, whichever is less, minus a margin left to the rest of the process (HOST_MARGIN of
-it, at least HOST_MARGIN_FLOOR). A number of bytes or a string ("64GB") sets it. The offloaded state must fit
-it, or wrap() refuses before anything is pinned; speculation's second state sets and the paged
-activations' slots take what is left, as far as it goes.
+working set, whichever is less, minus a margin left to the rest of the process (margin(): a
+tenth of it, at least HOST_MARGIN_FLOOR). A number of bytes or a string ("64GB") sets it. The
+offloaded state must fit it, or wrap() refuses before anything is pinned; speculation's second
+state sets and the paged activations' slots take what is left, as far as it goes.
 """
 
 from __future__ import annotations
@@ -19,8 +19,14 @@ from trainstream.units import format_size, parse_bytes
 
 log = logging.getLogger("trainstream")
 
-HOST_MARGIN, HOST_MARGIN_FLOOR = 0.10, 4 << 30
+HOST_MARGIN_FLOOR = 4 << 30
 _NO_LIMIT = 1 << 60  # cgroup v1 writes a page-rounded 2^63 for "no limit"
+
+
+def margin(available: int) -> int:
+    """Host memory left to the rest of the process out of `available`: a tenth of it, at least
+    HOST_MARGIN_FLOOR (pinning can fail before MemAvailable reaches 0)."""
+    return max(HOST_MARGIN_FLOOR, available // 10)
 
 
 @dataclass(frozen=True)
@@ -99,8 +105,8 @@ def read_host_budget(value) -> HostBudget:
     if value is None:
         if available is None:
             return HostBudget(None, source)
-        margin = max(HOST_MARGIN_FLOOR, int(HOST_MARGIN * available))
-        return HostBudget(max(0, available - margin), source, available, margin)
+        left = margin(available)
+        return HostBudget(max(0, available - left), source, available, left)
     limit = parse_bytes(value, "host_budget")
     if available is not None and limit > available:
         log.warning("trainstream: host_budget=%s is more than this process may take now (%s); pinning may fail "

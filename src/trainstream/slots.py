@@ -15,14 +15,11 @@ import torch
 
 from trainstream._native import _C
 from trainstream.distributed import local_shard
-from trainstream.host_budget import HostBudget
+from trainstream.host_budget import HostBudget, margin
 
 # fp32 update terms cross to VRAM through a staging buffer of at most this many floats (64 MiB),
 # a piece at a time for larger parameters.
 STAGING_FLOATS = 16 << 20
-# Host memory that speculation and paged activations leave free: this much, or a tenth of what is
-# available if that is more.
-HOST_RESERVE = 4 << 30
 
 
 @dataclass(eq=False)
@@ -162,10 +159,10 @@ class Engine:
 
     def host_room(self, held: int) -> float:
         """Host memory left for pinned activations and speculation: within the host budget, less
-        the `held` bytes TrainStream holds already, and within what the host has free now, beyond
-        a reserve (pinning can fail before MemAvailable reaches 0)."""
+        the `held` bytes TrainStream holds already, and within what the host has free now, less the
+        budget's margin of it."""
         available = _C.host_memory_available()
-        free = max(0, available - max(HOST_RESERVE, available // 10)) if available else float("inf")
+        free = max(0, available - margin(available)) if available else float("inf")
         limit = self.host_budget.limit
         return min(free, max(0, limit - held) if limit is not None else float("inf"))
 

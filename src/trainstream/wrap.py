@@ -17,6 +17,7 @@ from trainstream.distributed import (DataParallel, Sharded, check_ddp, check_fsd
                                      local_shard, partition)
 from trainstream.errors import (HostMemoryError, UnsupportedSetupError, VramBudgetError, check_compile_mode,
                                 check_not_distributed, check_optimizer, check_weight_dtype)
+from trainstream.host_adamw import DTYPE_NAMES
 from trainstream.host_budget import HostBudget, read_host_budget
 from trainstream.optimizer import OffloadedAdamW, resident_at_start, wrapped_by
 from trainstream.placement import last_streamable, reserve_for, share_or_floor, weights_on_device
@@ -43,11 +44,10 @@ PROFILE_WEIGHT_SHARE = 0.5
 
 
 def host_bytes_per_param(dtype: torch.dtype, host_accumulator: bool) -> int:
-    """Host bytes one trainable parameter costs: fp32 master, exp_avg, exp_avg_sq, a landing
-    buffer in the weight dtype (bf16 weights also go back up from it) and, when micro-batches
-    are summed on the host, an fp32 accumulator."""
-    landing = 2 if dtype == torch.bfloat16 else 4
-    return 12 + landing + (4 if host_accumulator else 0)
+    """Host bytes one trainable parameter costs, as the native pipeline takes them: fp32 master,
+    exp_avg, exp_avg_sq, a landing buffer in the weight dtype (bf16 weights also go back up from
+    it) and, when micro-batches are summed on the host, an fp32 accumulator."""
+    return _C.OffloadPipeline.state_bytes(1, DTYPE_NAMES[dtype], host_accumulator)
 
 
 def wrap(

@@ -167,8 +167,10 @@ class OffloadPipeline {
   // fresh buffers, moments zeroed, for a parameter offloaded again (the caller fills them).
   std::size_t release_state(HostParam& p);
   std::size_t take_state(HostParam& p);
-  // Host bytes of a parameter's state: master, moments, landing buffer and accumulator.
-  static std::size_t state_bytes(const HostParam& p);
+  // Host bytes of a parameter's state: fp32 master and moments, the landing buffer in the weight
+  // dtype and, with `accumulate`, an fp32 accumulator (what add_param takes, and wrap() plans).
+  static std::size_t state_bytes(std::size_t numel, DType weight_dtype, bool accumulate);
+  static std::size_t state_bytes(const HostParam& p) { return state_bytes(p.numel, p.weight_dtype, p.accumulates_); }
 
   HostAdamW& engine() { return engine_; }
   int niceness() const { return niceness_; }
