@@ -145,6 +145,18 @@ def deepspeed_engine(model, config: dict):
 
 
 # ------------------------------------------------------------------------------ records
+def process_memory() -> dict:
+    """This process's host memory now and at its peak (VmRSS, VmHWM), in GB: what a run took
+    beside torch's own is the difference from a stock run's in a process of its own."""
+    figures = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            name, _, value = line.partition(":")
+            if name in ("VmRSS", "VmHWM"):
+                figures[{"VmRSS": "host_rss_GB", "VmHWM": "host_peak_rss_GB"}[name]] = int(value.split()[0]) * 1024 / 1e9
+    return figures
+
+
 def about(argv) -> dict:
     """When, on what (the GPU, if any, and the CPU) and by which command a run was made: report.py's
     caption for its table."""

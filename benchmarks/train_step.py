@@ -36,7 +36,7 @@ import trainstream.baselines as baselines
 from trainstream.fixtures import causal_lm_loss
 
 from common import (HERE, about, add_model_arguments, add_paging_arguments, build_model, deepspeed_config,
-                    deepspeed_engine, medians, paging_options, plot_runs, write_json)
+                    deepspeed_engine, medians, paging_options, plot_runs, process_memory, write_json)
 
 
 CPUS = sorted(os.sched_getaffinity(0))  # this process's, before any '+pin' mode narrows this thread's
@@ -210,6 +210,7 @@ def run_mode(mode: str, args) -> dict:
         # allocations that found no room until the caching allocator gave its free blocks back
         # (each a device synchronization): a sign of a peak too close to a cap
         "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries,
+        **process_memory(),
     }
     if compiling:  # how often torch.compile split the model, at which functions, into how many graphs
         counters = torch._dynamo.utils.counters

@@ -162,10 +162,11 @@ void bind_pipeline(py::module_& m) {
            }, "Wall seconds the engine's threads ran chunks, and elements updated, since it started.")
       .def_property_readonly("downloading_bytes", &OffloadPipeline::downloading_bytes)
       .def("add_param", [](OffloadPipeline& o, std::size_t numel, const std::string& dtype, bool accumulate,
-                           std::int64_t priority) {
+                           std::int64_t priority, bool with_state) {
              py::gil_scoped_release release;
-             return o.add_param(numel, parse_dtype(dtype), accumulate, priority);
+             return o.add_param(numel, parse_dtype(dtype), accumulate, priority, with_state);
            }, py::arg("numel"), py::arg("weight_dtype"), py::arg("accumulate"), py::arg("priority") = 0,
+           py::arg("with_state") = true,
            py::keep_alive<0, 1>())
       .def("load_weights", [](OffloadPipeline& o, HostParam& p, std::uintptr_t weight, std::uintptr_t stream) {
              py::gil_scoped_release release;

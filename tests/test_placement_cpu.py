@@ -318,7 +318,7 @@ def test_auto_placement_under_a_budget_mixes_and_trains_the_same_bits():
     budget = int((weights + 6 * sum(p.numel() for p in trainable)) / 0.9)
     model, opt = trainstream.wrap(model, opt, max_grad_norm=1.0, accumulation_steps=2, vram_budget=budget)
     report = opt.report()["placement"]
-    assert report["state"] == "profiling" and report["resident_params"] == 0
+    assert report["state"] == "profiling"
     norms = train(model, opt, data, 1.0)
     report = opt.report()["placement"]
     assert report["state"] == "planned"
@@ -332,7 +332,7 @@ def test_auto_placement_under_a_budget_mixes_and_trains_the_same_bits():
     assert_same_bits(model, opt, ref, ref_opt, "auto under a budget")
     text = opt.describe()
     assert "VRAM" in text
-    # the profiled steps took host memory for every parameter; the resident ones gave theirs back
+    # the resident ones hold no host state (given back, or never taken), the offloaded ones do
     resident = [s for s in opt.slots.order if s.resident]
     offloaded = [s for s in opt.slots.order if s.offloaded]
     assert not any(s.host.holds_state for s in resident) and all(s.host.holds_state for s in offloaded)

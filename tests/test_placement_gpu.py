@@ -7,13 +7,14 @@ from __future__ import annotations
 import contextlib
 import gc
 import math
+from unittest import mock
 
 import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import trainstream
-from trainstream import _C
+from trainstream import _C, first_plan
 from trainstream.fixtures import TinyLM, param_groups, warmup_cosine
 
 pytestmark = pytest.mark.gpu
@@ -186,10 +187,12 @@ def collected() -> None:
 
 
 def footprints(acc: int = 1) -> tuple[int, int]:
-    """(peak of the two profiled steps, peak with everything resident) of the mid-size model."""
+    """(peak of two profiled steps with every parameter offloaded, peak with everything resident)
+    of the mid-size model."""
     collected()
     model, opt = make(torch.float32, **MID)
-    model, opt = trainstream.wrap(model, opt, max_grad_norm=1.0, accumulation_steps=acc)
+    with mock.patch.object(first_plan, "START_STATE_SHARE", 0.0):  # nothing resident at wrap()
+        model, opt = trainstream.wrap(model, opt, max_grad_norm=1.0, accumulation_steps=acc)
     torch.cuda.reset_peak_memory_stats()
     train(model, opt, 2, acc, vocab=MID["vocab"], batch=8, seq=MID["seq"])
     profiled = torch.cuda.max_memory_allocated()
@@ -240,9 +243,47 @@ def test_roomy_gpu_keeps_everything_resident_at_stock_peak():
     assert report["vram_staging_bytes"] == 0
     assert peak <= 1.05 * stock_peak
     assert torch.isfinite(losses).all()
-    # the profiled steps' pinned state went back once everything was resident
+    # resident from wrap() on: no step took host memory for the state
     assert report["host_memory_kind"] == "pinned" and report["host_bytes_reserved"] == 0
     assert not any(s.host.holds_state for s in opt.slots.order)
+    assert opt.profile.profiled_resident == len(opt.slots.order)
+
+
+def test_a_large_vocabulary_under_a_tight_cap_never_runs_out_of_memory():
+    """A 152k-token LM head whose logits and loss take more VRAM than the weights, in a process
+    capped near the weights plus them: the first plan counts them before the first step (it
+    offloads and streams what the batch needs room for), so neither the profiled steps nor the
+    planned ones run out of memory, with the model's own loss."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=151936, hidden_size=1024, intermediate_size=8192,
+                                      num_hidden_layers=12, num_attention_heads=8, num_key_value_heads=8,
+                                      max_position_embeddings=512, tie_word_embeddings=False, use_cache=False)
+    cap = 8 * 10**9
+    with vram_cap(cap):
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(config).cuda()
+        weights = sum(p.numel() * 4 for p in model.parameters())
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        model, opt = trainstream.wrap(model, opt, max_grad_norm=1.0)
+        torch.cuda.reset_peak_memory_stats()
+        tokens = torch.randint(0, config.vocab_size, (4, 512), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+        losses = []
+        for _ in range(5):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model(input_ids=tokens, labels=tokens).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        opt.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+    first = opt.promotion.first_plan
+    print(opt.describe())
+    print(f"weights {weights / 1e9:.2f} GB, cap {cap / 1e9:.2f} GB, peak {peak / 1e9:.2f} GB; {first}")
+    assert first is not None and first.fits and first.streamed > 0
+    assert opt.plan is not None and peak <= opt.vram_budget <= cap
+    assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
+    opt.remove_hooks()
 
 
 @pytest.mark.parametrize("share", [0.8, 0.5, 0.3])

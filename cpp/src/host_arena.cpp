@@ -93,6 +93,15 @@ void HostArena::release(void* block, std::size_t bytes) {
   throw std::invalid_argument("HostArena: released a block of another arena");
 }
 
+bool HostArena::owns(const void* block) const {
+  const char* p = static_cast<const char*>(block);
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (const auto& s : slabs_) {
+    if (p >= s.base && p < s.base + s.bytes) return true;
+  }
+  return false;
+}
+
 std::size_t HostArena::reserved_bytes_locked() const {
   std::size_t total = 0;
   for (const auto& s : slabs_) total += s.bytes;

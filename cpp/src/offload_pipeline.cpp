@@ -42,14 +42,15 @@ OffloadPipeline::~OffloadPipeline() {
 }
 
 std::shared_ptr<HostParam> OffloadPipeline::add_param(std::size_t numel, DType weight_dtype,
-                                                      bool accumulate, std::int64_t priority) {
+                                                      bool accumulate, std::int64_t priority,
+                                                      bool with_state) {
   TS_EXPECTS(numel > 0, "OffloadPipeline: zero-size parameter");
   auto p = std::make_shared<HostParam>();
   p->numel = numel;
   p->weight_dtype = weight_dtype;
   p->priority = priority;
   p->accumulates_ = accumulate;
-  take_state(*p);
+  if (with_state) take_state(*p);
   p->slot_ = transfer_->make_slot();
   return p;
 }
@@ -84,18 +85,15 @@ std::size_t OffloadPipeline::release_state(HostParam& p) {
   const std::size_t bytes = state_bytes(p);
   HostArena& arena = transfer_->arena();
   const std::size_t numel = p.numel;
-  arena.release(p.master, 4 * numel);
-  arena.release(p.exp_avg, 4 * numel);
-  arena.release(p.exp_avg_sq, 4 * numel);
+  // A commit swaps the moments (and a bf16 master) with speculation's second set: each buffer goes
+  // back to the arena that holds it now.
+  for (float* block : {p.master, p.exp_avg, p.exp_avg_sq, p.next_exp_avg, p.next_exp_avg_sq, p.next_master}) {
+    if (block != nullptr) (spare_.owns(block) ? spare_ : arena).release(block, 4 * numel);
+  }
   arena.release(p.grad, p.weight_bytes());
   arena.release(p.accumulator, 4 * numel);
   arena.release(p.inexact_, sizeof(std::uint32_t));
-  if (p.next_exp_avg) {  // speculation's second set: in the spare arena, its bf16 rounding in the arena
-    spare_.release(p.next_exp_avg, 4 * numel);
-    spare_.release(p.next_exp_avg_sq, 4 * numel);
-    spare_.release(p.next_master, 4 * numel);
-    arena.release(p.next_bf16, 2 * numel);
-  }
+  arena.release(p.next_bf16, 2 * numel);
   p.master = p.exp_avg = p.exp_avg_sq = p.accumulator = nullptr;
   p.next_exp_avg = p.next_exp_avg_sq = p.next_master = nullptr;
   p.grad = nullptr;

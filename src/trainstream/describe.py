@@ -38,9 +38,11 @@ class Reporter:
         else:
             resident = sum(s.resident for s in order)
             offloaded = sum(s.offloaded for s in order)
-            state = "profiling the first steps with everything offloaded" if tiers.profiler else "fixed"
+            state = "profiling the first steps in the first plan's placement" if tiers.profiler else "fixed"
             lines.append(f"placement ({state}): {resident} of {len(order)} parameters keep gradient and "
                          f"AdamW state in VRAM, {offloaded} offloaded to host memory")
+            if tiers.first_plan is not None:
+                lines.append(tiers.first_plan.describe())
         streamer = tiers.streamer
         if streamer is not None and (tiers.plan is None or not tiers.plan.streamed):
             lines.append(f"weights: {len(streamer.modules)} blocks' ({streamer.weight_bytes / 1e9:.2f} GB) "
@@ -172,6 +174,7 @@ class Reporter:
                 "state": "vram" if s.resident else "host" if not s.peer else self._owner(s),
                 "window_sum": None if acc == 1 else "vram" if s.resident or s.sum_in_vram else "host",
             } for s in order],
+            "first_plan": asdict(tiers.first_plan) if tiers.first_plan is not None else None,
         }
         if plan is not None:
             profile = tiers.profile

@@ -92,7 +92,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
     def __init__(self, source: torch.optim.Optimizer, model: torch.nn.Module, engine: Engine, *,
                  tuning: Tuning, max_grad_norm: float | None, accumulation_steps: int,
                  vram_budget: int | None = None, activation_pager=None, data_parallel=None, sharded=None,
-                 streamed: list[torch.nn.Module] | None = None) -> None:
+                 streamed: list[torch.nn.Module] | None = None, residents: int | None = None) -> None:
         super().__init__(source.param_groups, source.defaults)
         self.param_groups = source.param_groups  # the very same list: edits show on both sides
         self._model = model
@@ -123,7 +123,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self._reporter = Reporter(engine, self.slots, self.clipping, self.promotion, host_memory=self.host_memory,
                                   data_parallel=data_parallel, shards=sharded)
         self._hooks: list = []
-        self._register(model, streamed or [])
+        self._register(model, streamed or [], residents)
         self.pack_gradients = tuning.pack_gradients
         if not tuning.upload_update_terms:
             self.upload_update_terms = False
@@ -131,7 +131,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
             data_parallel.attach(self.gradient_hooks.on_reduced)
 
     # ----------------------------------------------------------------------------- set-up
-    def _register(self, model: torch.nn.Module, streamed: list[torch.nn.Module]) -> None:
+    def _register(self, model: torch.nn.Module, streamed: list[torch.nn.Module], residents: int | None) -> None:
         acc, engine, pipeline = self.slots.accumulation_steps, self.engine, self.engine.pipeline
         placement = self.promotion.placement
         _forget_dead_owners()
@@ -141,7 +141,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
                 if p.requires_grad and id(p) not in seen:
                     seen.add(id(p))
                     trainable.append((p, group))
-        resident_count = resident_at_start(placement, len(trainable))
+        # (under placement "auto", the first plan's start: wrap() says how many)
+        resident_count = resident_at_start(placement, len(trainable)) if residents is None else residents
         # host accumulators: for every parameter that may sum its micro-batches on the host (under
         # DDP, micro-batches are summed where DDP sums them, in VRAM)
         host_sums = acc > 1 and self._vram_sums is not True and self._dp is None
@@ -188,11 +189,12 @@ class OffloadedAdamW(torch.optim.Optimizer):
         peer = owner is not None and owner != self._dp.rank or weight.numel() == 0
         resident = resident and not peer
         host = None
-        if not resident and not peer:
-            # registration order stands in for forward order (embeddings, layers, head)
-            host = pipeline.add_param(weight.numel(), DTYPE_NAMES[p.dtype], host_sums, i)
-            if weight.device == engine.device:  # (else a streamed one in host memory: see Promotion.stream)
-                pipeline.load_weights(host, weight.data_ptr(), engine.current_stream())
+        if not peer and (not resident or self.promotion.placement == "auto"):
+            # registration order stands in for forward order (embeddings, layers, head); a resident
+            # one under "auto" takes its host state only if a plan offloads it
+            host = pipeline.add_param(weight.numel(), DTYPE_NAMES[p.dtype], host_sums, i, with_state=not resident)
+            if not resident and weight.device == engine.device:  # (else a streamed one in host memory: see
+                pipeline.load_weights(host, weight.data_ptr(), engine.current_stream())  # Promotion.stream)
         slot = Slot(p, host, group, weight._version, i, peer=peer, sharded=self._shards is not None)
         slot.state = {"step": torch.tensor(0.0)}
         if resident:
@@ -232,6 +234,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
     def _before_forward(self, args: tuple, kwargs: dict) -> None:
         check_autocast(self.engine.device.type)
         window = self.window
+        if window.forwards == 0 and torch.is_grad_enabled():
+            self.promotion.plan_first(args, kwargs)  # (once, before window 1: the batch is known now)
         if window.forwards == 0:  # a model compiled after wrap() is seen at its first forward
             self.gates.follow_compile(self._check_compiled)
         if torch.is_grad_enabled():

@@ -1,7 +1,7 @@
 """Where every byte of a training step lives: a pure function from a measured profile to a plan.
 
-The profile comes from training steps run in a placement that surely fits (every parameter's
-gradient and AdamW state in host memory, every block but the last paged). The planner starts
+The profile comes from training steps run in a placement that fits (the first plan's, from
+shapes: trainstream.first_plan; every block but the last paged). The planner starts
 from the fastest placement, everything in VRAM as plain PyTorch keeps it, and while the expected
 peak is over the budget takes the cheapest way to save VRAM, measured in seconds added per GB
 saved:
@@ -93,6 +93,7 @@ class Profile:
     weight_bytes: int = 0  # every weight in VRAM, trainable or not, for the figures
     fixed_activations: bool = False  # the activation choices are the user's: no moves on them
     streamed: int = 0  # the last blocks whose weights the profiled steps streamed (they stay streamed)
+    profiled_resident: int = 0  # the first parameters resident in the profiled steps (the first plan's)
     stream_depth: int = 1  # streamed blocks fetched ahead of the one in use (Tuning.prefetch_depth)
     host_room: int | None = None  # host bytes paged activations may take (pinned slots already held included)
     recompute: bool = True  # blocks may run their forward again (Tuning(recompute=False): never)
@@ -219,23 +220,32 @@ def _streaming_delta(profile: Profile, plan: Plan) -> int:
     return device_weight_bytes(profile, plan.streamed) - device_weight_bytes(profile, profile.streamed)
 
 
+def _resident_terms(profile: Profile, resident: int) -> tuple[int, list[int]]:
+    """(state bytes, each parameter's gradient bytes) of the first `resident` parameters kept in VRAM."""
+    acc, params = profile.accumulation_steps, profile.params
+    state = sum(state_bytes(p, acc) for p in params[:resident])
+    return state, [resident_grad_bytes(p, acc) if i < resident else 0 for i, p in enumerate(params)]
+
+
 def peak_bytes(profile: Profile, plan: Plan) -> int:
-    """The expected peak VRAM of a step under `plan`."""
+    """The expected peak VRAM of a step under `plan`: the profiled curve, less the state and
+    gradients of the parameters resident while it was measured, plus the plan's."""
     acc = profile.accumulation_steps
     params = profile.params
     n = len(profile.blocks)
-    baseline = Plan(resident=0, hooks=profile.profiled_hooks, paged=profile.profiled_paged)
+    baseline = Plan(resident=profile.profiled_resident, hooks=profile.profiled_hooks, paged=profile.profiled_paged)
     delta = [held_bytes(profile, plan, j) - held_bytes(profile, baseline, j) for j in range(n)]
     outside = 0 if plan.hooks or not profile.profiled_hooks else profile.outside_cast_bytes
-    state = sum(state_bytes(p, acc) for p in params[:plan.resident])
+    state, grads = _resident_terms(profile, plan.resident)
+    # the profiled micro-batch held its residents' state throughout and their gradients from arrival
+    profiled_state, profiled_grads = _resident_terms(profile, profile.profiled_resident)
     # alive through every forward after a window's first: gradients summed in VRAM
     always = sum(4 * p.numel for i, p in enumerate(params) if _vram_sum(profile, plan, i))
-    grads = [resident_grad_bytes(p, acc) if i < plan.resident else 0 for i, p in enumerate(params)]
     if acc > 1:
         always += sum(grads)
         grads = [0] * len(params)
-    forward = profile.forward_peak + sum(delta) + outside
-    worst = max(forward, profile.tail_peak + sum(grads))
+    forward = profile.forward_peak - profiled_state + sum(delta) + outside
+    worst = max(forward, profile.tail_peak - profiled_state - sum(profiled_grads) + sum(grads))
     arrived = 0
     prefix = [0]
     for d in delta:
@@ -243,8 +253,8 @@ def peak_bytes(profile: Profile, plan: Plan) -> int:
     for i in sorted(range(len(params)), key=lambda i: params[i].arrival_s):
         p = params[i]
         held = prefix[max(0, min(p.block, n))] + (outside if p.block >= n else 0)
-        worst = max(worst, p.segment_peak + held + arrived)
-        arrived += grads[i]
+        worst = max(worst, p.segment_peak - profiled_state + held + arrived)
+        arrived += grads[i] - profiled_grads[i]
     return state + always + worst + _streaming_delta(profile, plan)
 
 

@@ -17,11 +17,14 @@ from typing import Callable
 
 import torch
 
+from trainstream import first_plan as from_shapes
 from trainstream import placement as planner
 from trainstream import progress
+from trainstream._native import _C
 from trainstream.activations import light as light_recompute
 from trainstream.clipping import Clipping
-from trainstream.errors import VramBudgetError
+from trainstream.errors import HostMemoryError, VramBudgetError
+from trainstream.host_adamw import DTYPE_NAMES
 from trainstream.profiler import RECOMPUTE_PER_FORWARD, StepProfiler, block_spans, measure_bandwidths
 from trainstream.resident import ResidentAdamW
 from trainstream.slots import Engine, Slot, Slots, Window
@@ -30,6 +33,9 @@ from trainstream.streaming import WeightStreamer, shared_outside
 log = logging.getLogger("trainstream")
 
 PACK_S = 30e-6  # what one call of the saved-tensor hooks costs the host, where it was not measured
+# the host engine's seconds per parameter updated (all threads), where the profiled steps updated
+# none on the host: 16 Xeon cores with AVX-512, exact AdamW on fp32 state
+HOST_S_PER_PARAM = 0.21e-9
 
 
 class Promotion:
@@ -68,6 +74,7 @@ class Promotion:
         self._stats_at_start = None
         self._bandwidths = None  # (d2h, h2d, VRAM) bytes/s, measured when the profiled window starts
         self._checked = False  # the first planned window's peak has been compared with the budget
+        self.first_plan: from_shapes.FirstPlan | None = None  # made at the first forward (a budget given)
         self._hooks: list = []
 
     @property
@@ -77,7 +84,7 @@ class Promotion:
     def start_profiling(self) -> None:
         """Under placement "auto": the second window will be profiled."""
         away = self.streamer.weight_bytes - self.streamer.window_bytes if self.streamer is not None else 0
-        log.info("trainstream: the second step is profiled with every parameter offloaded; the plan follows it")
+        log.info("trainstream: the second step is profiled in the first plan's placement; the plan follows it")
         self.profiler = StepProfiler(self._model, [s.param for s in self._slots.order], self._engine.device, away)
         self._stats_at_start = self._engine.pipeline.stats()
 
@@ -127,6 +134,68 @@ class Promotion:
         return False
 
     # ------------------------------------------------------------------ plan and apply
+    def _param_blocks(self, n: int) -> list[int]:
+        """Each slot's block among the pager's first `n`: -1 before the blocks, n after them."""
+        block_of = {}
+        for j, block in enumerate(self.pager.blocks if self.pager is not None else []):
+            for p in block.parameters():
+                block_of.setdefault(p, j)
+        order = self._slots.order
+        inside = [s.index for s in order if s.param in block_of]
+        return [min(block_of[s.param], n) if s.param in block_of else (-1 if inside and s.index < inside[0] else n)
+                for s in order]
+
+    def plan_first(self, args: tuple, kwargs: dict) -> None:
+        """Before the first forward with autograd, under a budget: the placement the first steps
+        run in, from shapes (trainstream.first_plan). The last parameters wrap() kept resident go
+        to host memory, then the last blocks' weights stream, as far as the estimated peak needs.
+        Refuses, with the figures, what cannot fit either budget."""
+        if self.first_plan is not None or self.profiler is None or self.vram_budget is None:
+            return
+        order, engine = self._slots.order, self._engine
+        blocks = self.pager.blocks if self.pager is not None else []
+        tied = shared_outside(blocks, self._model)
+        costs = from_shapes.resident_costs([s.weight.numel() for s in order], [s.param.element_size() for s in order],
+                                          self._slots.accumulation_steps)
+        weights = sum(t.numel() * t.element_size() for t in list(self._model.parameters()) + list(self._model.buffers()))
+        shapes = from_shapes.read_shapes(
+            self._model, blocks, costs, self._param_blocks(len(blocks)), [j not in tied for j in range(len(blocks))],
+            # (CPU mode measures no memory but the weights': nor does it estimate the activations)
+            self._depth, weights, from_shapes.batch_tokens(args, kwargs) if engine.device.type == "cuda" else 0,
+            engine.device)
+        resident = sum(1 for s in order if s.resident)
+        chosen = from_shapes.plan_first(shapes, self.vram_budget, resident, self.streamed_count())
+        self.first_plan = chosen
+        log.info("trainstream: %s", chosen.describe())
+        if not chosen.fits:
+            raise VramBudgetError(
+                f"before the first step: the batch's {shapes.tokens} tokens cannot fit a VRAM budget of "
+                f"{self.vram_budget / 1e9:.2f} GB. With every parameter's gradient and AdamW state offloaded and "
+                f"{chosen.streamed} blocks' weights streamed, the first steps need an estimated "
+                f"{chosen.peak / 1e9:.2f} GB: the LM head's logits and the loss's fp32 tensors "
+                f"{shapes.head_bytes / 1e9:.2f} GB, {from_shapes.PROFILED_BLOCKS_HELD} blocks' activations "
+                f"{from_shapes.PROFILED_BLOCKS_HELD * shapes.block_activation_bytes / 1e9:.2f} GB, the rest "
+                f"weights; the budget less the planner's reserve is {chosen.limit / 1e9:.2f} GB. Lower the "
+                f"batch or sequence length, raise the budget, or use bf16 weights.")
+        demoted = [s for s in order[chosen.resident:] if s.resident and not s.peer]
+        host_sums = self._slots.accumulation_steps > 1 and self._vram_sums is not True and self._dp is None
+        need = sum(_C.OffloadPipeline.state_bytes(s.weight.numel(), DTYPE_NAMES[s.param.dtype], host_sums)
+                   for s in demoted)
+        room = engine.host_room(self._host_held())
+        if need > room:
+            raise HostMemoryError(
+                f"before the first step: the batch's activations leave VRAM for the state of "
+                f"{chosen.resident} of {len(order)} parameters; the other {len(demoted)} need "
+                f"{need / 2**30:.1f} GiB of host memory for their state, but only {room / 2**30:.1f} GiB is left "
+                f"within the host budget. Nothing more was pinned. Raise host_budget or vram_budget, or "
+                f"lower the batch or sequence length.")
+        for s in demoted:
+            self.move(s, False)
+        if chosen.streamed > self.streamed_count():
+            self.stream(blocks[len(blocks) - chosen.streamed:len(blocks) - self.streamed_count()])
+        elif demoted:
+            self._tiers_changed()
+
     def _promote(self) -> None:
         """Plans from the profile and moves everything where the plan puts it."""
         self._synchronize()
@@ -165,7 +234,7 @@ class Promotion:
         if deferred:
             pager.finish_profile()
         times = self.profiler.timings(pager.profiled_marks if deferred else None)
-        blocks, block_of = [], {}
+        blocks = []
         figures = pager.last if pager is not None else None
         if deferred and pager.profile is not None:
             prof = pager.profile
@@ -182,17 +251,10 @@ class Promotion:
                       for j, (b, i, t, c, lt) in enumerate(zip(prof.block_bytes,
                                                                prof.block_input_bytes or [0] * len(prof.block_bytes),
                                                                prof.block_seconds, casts, light))]
-        if pager is not None and pager.blocks:
-            for j, block in enumerate(pager.blocks):
-                for p in block.parameters():
-                    block_of.setdefault(p, j)
         order = self._slots.order
-        inside = [s.index for s in order if s.param in block_of]
         n = len(blocks)
         params = []
-        for s in order:
-            j = block_of.get(s.param)
-            where = min(j, n) if j is not None else (-1 if inside and s.index < inside[0] else n)
+        for s, where in zip(order, self._param_blocks(n)):
             params.append(planner.ParamCost(
                 # a peer's state and update are another rank's: keeping it costs this rank nothing
                 name=self._slots.name(s), numel=0 if s.peer else s.weight.numel(),
@@ -207,7 +269,8 @@ class Promotion:
                       for b, span in zip(blocks, spans)]
         stats, start = self._engine.pipeline.stats(), self._stats_at_start
         updated = stats["updated_elements"] - start["updated_elements"]
-        host_rate = (stats["busy_seconds"] - start["busy_seconds"]) / updated if updated else 0.0
+        # (with every parameter resident in the profiled steps, the rate the engine was measured at elsewhere)
+        host_rate = (stats["busy_seconds"] - start["busy_seconds"]) / updated if updated else HOST_S_PER_PARAM
         d2h, h2d, vram = self._bandwidths
         hook_s = lean_hook_s = 0.0
         if figures is not None:
@@ -229,6 +292,7 @@ class Promotion:
             lean_hook_s=lean_hook_s,
             weight_bytes=sum(p.numel() * p.element_size() for p in self._model.parameters()),
             fixed_activations=not deferred, streamed=self.streamed_count() if blocks else 0,
+            profiled_resident=sum(1 for s in order if s.resident),
             stream_depth=self._depth, recompute=pager is None or pager.recompute,
             host_room=None if math.isinf(room := self._engine.host_room(self._host_held()))
             else int(room) + self.paging_slot_bytes())

@@ -27,7 +27,7 @@ class Slot:
     """What the optimizer tracks for one trainable parameter."""
 
     param: torch.nn.Parameter
-    host: object  # trainstream._C.HostParam, or None for a parameter resident from the start
+    host: object  # trainstream._C.HostParam (holding no state while resident), or None: resident for good
     group: dict
     version: int  # weight._version when host master and device weights last agreed
     index: int  # position in forward (registration) order: the order norms are added in

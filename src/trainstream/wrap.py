@@ -17,6 +17,7 @@ from trainstream.distributed import (DataParallel, Sharded, check_ddp, check_fsd
                                      local_shard, partition)
 from trainstream.errors import (HostMemoryError, UnsupportedSetupError, VramBudgetError, check_compile_mode,
                                 check_not_distributed, check_optimizer, check_weight_dtype)
+from trainstream.first_plan import resident_costs, start_residents
 from trainstream.host_adamw import DTYPE_NAMES
 from trainstream.host_budget import HostBudget, read_host_budget
 from trainstream.optimizer import OffloadedAdamW, resident_at_start, wrapped_by
@@ -212,9 +213,11 @@ def wrap(
         streamed = _streamed_to_fit(model, (stream_from or []) if ddp is None else [], budget, tuning.prefetch_depth)
     else:
         streamed = _streamed_blocks(model, tuning.streamed_blocks, stream_from, ddp is not None or sharded)
+    residents = resident_at_start(tuning.placement, len(unique))
+    if auto and budget is not None and ddp is None and not sharded:  # the first plan's start: first_plan.py
+        residents = _start_residents(model, unique, streamed, budget, int(accumulation_steps), tuning.prefetch_depth)
     if ddp is None and not sharded:  # (before the optimizer pins any of it)
-        _check_host_memory(unique[resident_at_start(tuning.placement, len(unique)):], host_accumulator, host,
-                           streamed)
+        _check_host_memory(unique[residents:], host_accumulator, host, streamed)
     if on_host:
         _place(model, device, streamed)
     data_parallel = DataParallel(ddp, owners) if ddp is not None else None
@@ -222,6 +225,7 @@ def wrap(
         optimizer, model, Engine(pipeline, device, streams, host), tuning=tuning, max_grad_norm=max_grad_norm,
         accumulation_steps=int(accumulation_steps), vram_budget=budget if auto else None, activation_pager=pager,
         data_parallel=data_parallel, sharded=Sharded(trainable) if sharded else None, streamed=streamed,
+        residents=residents,
     )
     if pager is not None:
         pager.settle = wrapped.synchronize
@@ -332,6 +336,21 @@ def _streamed_to_fit(model: torch.nn.Module, blocks: list[torch.nn.Module], budg
             f"{reserve / 1e9:.2f} GB that exceeds the budget of {budget / 1e9:.2f} GB before any activation or "
             f"workspace. Raise the budget, use bf16 weights or a smaller model.")
     return blocks[n - can:]
+
+
+def _start_residents(model: torch.nn.Module, params: list[torch.nn.Parameter], streamed: list[torch.nn.Module],
+                     budget: int, accumulation_steps: int, depth: int) -> int:
+    """How many of the first trainable parameters keep their state in VRAM from wrap() on, taking
+    no host memory (the first plan may offload some at the first forward): those before any
+    streamed block's whose state fits a share of the budget beside the weights."""
+    away = {id(p) for block in streamed for p in block.parameters()}
+    before = next((i for i, p in enumerate(params) if id(p) in away), len(params))
+    sizes = [sum(p.numel() * p.element_size() for p in block.parameters()) for block in streamed]
+    weights = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+    weights = weights_on_device(weights, sizes, len(sizes), depth)
+    costs = resident_costs([p.numel() for p in params[:before]], [p.element_size() for p in params[:before]],
+                           accumulation_steps)
+    return start_residents(costs, weights, budget)
 
 
 def streamed_host_bytes(modules: list[torch.nn.Module]) -> int:

@@ -285,6 +285,18 @@ TEST_CASE("a released parameter's host state goes back, is refused, and comes ba
   CHECK(params[2]->exp_avg[0] != 0.0f);
 }
 
+TEST_CASE("a parameter registered without state holds no host memory until it takes some") {
+  Rig rig;
+  HostArena& arena = rig.transfer->arena();
+  auto p = rig.pipeline->add_param(1 << 16, DType::bfloat16, true, 0, /*with_state=*/false);
+  CHECK(!p->holds_state() && arena.reserved_bytes() == 0);
+  std::vector<float> grad(1 << 16, 0.25f);
+  CHECK_THROWS_AS(rig.pipeline->land_gradient(p, reinterpret_cast<std::uintptr_t>(grad.data()), 0, GradJob{}),
+                  std::invalid_argument);
+  CHECK(rig.pipeline->take_state(*p) == OffloadPipeline::state_bytes(*p));
+  CHECK(p->holds_state() && p->accumulator != nullptr && arena.used_bytes() >= OffloadPipeline::state_bytes(*p));
+}
+
 TEST_CASE("the update matches HostAdamW on the same buffers") {
   Rig rig;
   const std::size_t n = 4099;
@@ -977,6 +989,9 @@ TEST_CASE("a speculative update commits the waiting path's bits, or is redone fr
     CHECK_THROWS_AS(speculating.pipeline->commit({params[1]}, {addr(weights[1].data())}, nullptr),
                     std::invalid_argument);
     CHECK(speculating.pipeline->pending() == 0);
+    // The commits swapped state and second set between the arenas: each goes back where it lies.
+    CHECK(speculating.pipeline->release_state(*params[1]) == OffloadPipeline::state_bytes(*params[1]));
+    CHECK(speculating.transfer->arena().used_bytes() == 0);
   }
 }
 

@@ -49,6 +49,8 @@ class HostArena {
   // Gives back a block allocate(bytes) returned. Its space is not handed out again, but once every
   // block of its slab is back, the slab goes back to its source (the OS, unpinned).
   void release(void* block, std::size_t bytes);
+  // Whether `block` lies in one of this arena's slabs.
+  bool owns(const void* block) const;
 
   std::size_t reserved_bytes() const;  // in slabs
   std::size_t used_bytes() const;      // handed out

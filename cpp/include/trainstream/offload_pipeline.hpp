@@ -158,9 +158,10 @@ class OffloadPipeline {
   OffloadPipeline(const OffloadPipeline&) = delete;
   OffloadPipeline& operator=(const OffloadPipeline&) = delete;
 
-  // Allocates a parameter's host buffers from the arena (zeroed moments).
+  // Registers a parameter and allocates its host buffers from the arena (zeroed moments); with
+  // `with_state` false, none yet (a parameter resident for now: take_state() when it is offloaded).
   std::shared_ptr<HostParam> add_param(std::size_t numel, DType weight_dtype, bool accumulate,
-                                       std::int64_t priority = 0);
+                                       std::int64_t priority = 0, bool with_state = true);
   // A parameter that became resident gives its host buffers back (speculation's included), once
   // its queued jobs are done; a slab whose buffers are all back leaves the process. Returns the
   // bytes given back. Jobs, landings and views on it are refused until take_state(), which takes
