@@ -96,6 +96,8 @@ void bind_pipeline(py::module_& m) {
       })
       .def_property_readonly("squared_norm", [](const HostParam& p) { return p.squared_norm; })
       .def_property_readonly("has_accumulator", [](const HostParam& p) { return p.accumulator != nullptr; })
+      .def_property_readonly("has_landing_buffer", [](const HostParam& p) { return p.grad != nullptr; },
+                             "False for fp32 weights whose gradients land in their accumulator")
       .def_property_readonly("last_gradient_as_bf16", &HostParam::last_gradient_as_bf16,
                              "fp32 weights: whether the last gradient consumed crossed as bf16 (it was exact)")
       .def_property_readonly("holds_state", &HostParam::holds_state,
@@ -105,7 +107,10 @@ void bind_pipeline(py::module_& m) {
         if (name == "master") return HostView{p, p->master, 4 * p->numel};
         if (name == "exp_avg") return HostView{p, p->exp_avg, 4 * p->numel};
         if (name == "exp_avg_sq") return HostView{p, p->exp_avg_sq, 4 * p->numel};
-        if (name == "grad") return HostView{p, p->grad, p->weight_bytes()};
+        if (name == "grad") {
+          if (!p->grad) throw std::invalid_argument("HostParam: no landing buffer (its gradients land in its accumulator)");
+          return HostView{p, p->grad, p->weight_bytes()};
+        }
         if (name == "accumulator" && p->accumulator) return HostView{p, p->accumulator, 4 * p->numel};
         if (name == "next_exp_avg" && p->next_exp_avg) return HostView{p, p->next_exp_avg, 4 * p->numel};
         if (name == "next_exp_avg_sq" && p->next_exp_avg_sq) return HostView{p, p->next_exp_avg_sq, 4 * p->numel};

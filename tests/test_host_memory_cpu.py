@@ -5,6 +5,7 @@ and taken again when it is offloaded, and wrap() saying what it is doing."""
 
 from __future__ import annotations
 
+import importlib
 import os
 from dataclasses import replace
 
@@ -201,3 +202,29 @@ def test_a_parameter_made_resident_gives_its_host_memory_back_and_takes_it_again
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))
     for s, r in zip(opt.slots.order, ref_opt.slots.order):
         assert torch.equal(s.state["exp_avg_sq"], r.state["exp_avg_sq"])
+
+
+@pytest.mark.parametrize("dtype, acc, per_param", [(torch.float32, 1, 16), (torch.float32, 4, 16),
+                                                   (torch.bfloat16, 1, 14), (torch.bfloat16, 4, 18)])
+def test_each_configuration_takes_the_bytes_it_states(dtype, acc, per_param):
+    """Master, two moments, an accumulator with accumulation, and a landing buffer in the weight
+    dtype, except for fp32 weights summing micro-batches, whose gradients land in the accumulator:
+    what wrap() plans is what the pipeline takes, training as it goes."""
+    torch.manual_seed(0)
+    model = TinyLM(vocab=4096, dim=256, layers=2).to(dtype)
+    numel = sum(p.numel() for p in model.parameters())
+    assert importlib.import_module("trainstream.wrap").host_bytes_per_param(dtype, acc > 1) == per_param
+    model, opt = trainstream.wrap(model, torch.optim.AdamW(param_groups(model), lr=1e-3), accumulation_steps=acc,
+                                  tuning=trainstream.Tuning(placement="offload"))
+    g = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        for _ in range(acc):
+            model.loss(torch.randint(0, 4096, (4, 17), generator=g)).backward()
+        opt.step()
+        opt.zero_grad()
+    opt.synchronize()
+    assert opt.engine.pipeline.host_used_bytes == pytest.approx(per_param * numel, rel=0.01)
+    assert all(s.host.has_accumulator == (acc > 1) for s in opt.slots.order)
+    landing = not (acc > 1 and dtype == torch.float32)
+    assert all(s.host.has_landing_buffer == landing for s in opt.slots.order)
+    assert ("a gradient buffer" in opt.describe()) == landing

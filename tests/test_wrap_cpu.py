@@ -17,6 +17,7 @@ import torch
 import trainstream
 from trainstream.baselines import engine_threads_since, gate_every_forward, thread_names
 from trainstream.fixtures import TinyLM, param_groups, warmup_cosine
+from trainstream.optimizer import wrapped_by
 
 STEPS = 20
 
@@ -475,6 +476,20 @@ def test_refuses_other_optimizers():
     model = TinyLM()
     with pytest.raises(trainstream.UnsupportedSetupError, match="torch.optim.AdamW"):
         trainstream.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+    class AdamW8bit(torch.optim.Optimizer):  # named as torchao's and bitsandbytes' are
+        def __init__(self, params):
+            super().__init__(params, {})
+
+    with pytest.raises(trainstream.UnsupportedSetupError, match="Low-bit and paged optimizers.*not implemented"):
+        trainstream.wrap(model, AdamW8bit(model.parameters()))
+
+    class Tweaked(torch.optim.AdamW):  # a subclass may step differently: never run as torch's AdamW
+        pass
+
+    with pytest.raises(trainstream.UnsupportedSetupError, match="subclass of torch's AdamW"):
+        trainstream.wrap(model, Tweaked(model.parameters()))
+    assert all(wrapped_by(p) is None for p in model.parameters())
 
 
 def test_refuses_amsgrad_and_adam_l2():

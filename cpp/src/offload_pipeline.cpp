@@ -62,7 +62,7 @@ std::size_t OffloadPipeline::take_state(HostParam& p) {
   p.master = static_cast<float*>(arena.allocate(4 * numel));
   p.exp_avg = static_cast<float*>(arena.allocate(4 * numel));
   p.exp_avg_sq = static_cast<float*>(arena.allocate(4 * numel));
-  p.grad = arena.allocate(p.weight_bytes());
+  if (!lands_in_accumulator(p.weight_dtype, p.accumulates_)) p.grad = arena.allocate(p.weight_bytes());
   if (p.accumulates_) p.accumulator = static_cast<float*>(arena.allocate(4 * numel));
   p.landing_dtype_ = p.weight_dtype;
   if (p.weight_dtype == DType::float32) {
@@ -103,7 +103,8 @@ std::size_t OffloadPipeline::release_state(HostParam& p) {
 }
 
 std::size_t OffloadPipeline::state_bytes(std::size_t numel, DType weight_dtype, bool accumulate) {
-  return (12 + (accumulate ? 4 : 0) + dtype_size(weight_dtype)) * numel;
+  return (12 + (accumulate ? 4 : 0) + (lands_in_accumulator(weight_dtype, accumulate) ? 0 : dtype_size(weight_dtype))) *
+         numel;
 }
 
 }  // namespace trainstream

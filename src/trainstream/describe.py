@@ -90,7 +90,9 @@ class Reporter:
         if not used and not paging:
             return ""
         slots = [s for s in self._slots.order if s.host is not None and s.host.holds_state]
-        held = ["fp32 master", "two moments", "a gradient buffer"]
+        held = ["fp32 master", "two moments"]
+        if any(s.host.has_landing_buffer for s in slots):
+            held.append("a gradient buffer")
         if any(s.host.has_accumulator for s in slots):
             held.append("an fp32 sum of micro-batches")
         if any(s.streamed and s.param.dtype == torch.bfloat16 for s in slots):

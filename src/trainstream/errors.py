@@ -50,15 +50,29 @@ class HostMemoryError(TrainStreamError, MemoryError):
     """Host RAM cannot hold what the placement keeps there; the message has the figures."""
 
 
+# Optimizers users reach for that the host engine does not run (yet): named in the refusal
+LOW_BIT = ("8bit", "4bit", "fp8", "paged")
+
+
 def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
-    """Accept torch.optim.AdamW, and Adam where its semantics equal AdamW's; refuse the rest."""
-    is_adamw = isinstance(optimizer, torch.optim.AdamW)
-    is_adam = type(optimizer) is torch.optim.Adam
+    """Accept torch.optim.AdamW, and Adam where its semantics equal AdamW's; refuse the rest,
+    subclasses included (their step() may be anything: running torch's AdamW instead would train
+    something else without a word)."""
+    kind = type(optimizer)
+    is_adamw = kind is torch.optim.AdamW
+    is_adam = kind is torch.optim.Adam
     if not (is_adamw or is_adam):
+        name = f"{kind.__module__}.{kind.__qualname__}"
+        why = ""
+        if any(tag in name.lower() for tag in LOW_BIT):
+            why = (" Low-bit and paged optimizers (torchao's AdamW8bit, AdamW4bit and AdamWFp8, bitsandbytes') "
+                   "are not implemented by TrainStream's host engine: it would run a different algorithm.")
+        elif isinstance(optimizer, (torch.optim.AdamW, torch.optim.Adam)):
+            why = " A subclass of torch's AdamW or Adam may change its step, which TrainStream would not run."
         raise UnsupportedSetupError(
             f"trainstream.wrap() supports torch.optim.AdamW (and torch.optim.Adam without weight "
-            f"decay), got {type(optimizer).__module__}.{type(optimizer).__name__}. Create the "
-            f"optimizer as torch.optim.AdamW(model.parameters(), ...) and wrap that."
+            f"decay), got {name}.{why} Create the optimizer as torch.optim.AdamW(model.parameters(), ...) "
+            f"and wrap that."
         )
     for i, group in enumerate(optimizer.param_groups):
         if group.get("amsgrad", False):

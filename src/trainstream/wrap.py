@@ -46,8 +46,9 @@ PROFILE_WEIGHT_SHARE = 0.5
 
 def host_bytes_per_param(dtype: torch.dtype, host_accumulator: bool) -> int:
     """Host bytes one trainable parameter costs, as the native pipeline takes them: fp32 master,
-    exp_avg, exp_avg_sq, a landing buffer in the weight dtype (bf16 weights also go back up from
-    it) and, when micro-batches are summed on the host, an fp32 accumulator."""
+    exp_avg, exp_avg_sq, when micro-batches are summed on the host an fp32 accumulator, and a
+    landing buffer in the weight dtype (bf16 weights also go back up from it), except for fp32
+    weights with an accumulator, whose gradients land in it."""
     return _C.OffloadPipeline.state_bytes(1, DTYPE_NAMES[dtype], host_accumulator)
 
 
@@ -373,7 +374,9 @@ def _check_host_memory(params: list[torch.Tensor], host_accumulator: bool, budge
         raise HostMemoryError(
             f"TrainStream needs {(needed + weights) / _GIB:.1f} GiB of host RAM: {needed / _GIB:.1f} GiB for "
             f"{count / 1e9:.2f}B offloaded parameters ({needed / count:.0f} bytes each: fp32 master weights, "
-            f"two AdamW moments, a gradient buffer{', an fp32 accumulator' if host_accumulator else ''})"
+            f"two AdamW moments, "
+            + ("an fp32 accumulator, a landing buffer for bf16 weights' gradients" if host_accumulator
+               else "a landing buffer for the gradient") + ")"
             + (f" and {weights / _GIB:.1f} GiB more for the weights of {len(streamed)} streamed blocks (bf16 "
                f"copies of bf16 weights, frozen weights whole)" if weights else "")
             + f", but the host budget is {budget.limit / _GIB:.1f} GiB ({origin}). Nothing was pinned. Raise "

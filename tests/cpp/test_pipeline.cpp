@@ -297,6 +297,43 @@ TEST_CASE("a parameter registered without state holds no host memory until it ta
   CHECK(p->holds_state() && p->accumulator != nullptr && arena.used_bytes() >= OffloadPipeline::state_bytes(*p));
 }
 
+TEST_CASE("fp32 weights with an accumulator take a landing buffer only when a gradient is sent there") {
+  const std::size_t n = 1 << 12;
+  Rig rig;
+  auto p = rig.pipeline->add_param(n, DType::float32, true);
+  CHECK(p->grad == nullptr && OffloadPipeline::state_bytes(*p) == 16 * n);
+  std::vector<float> weights(n, 0.5f), grad(n, 0.25f);
+  const auto g = reinterpret_cast<std::uintptr_t>(grad.data());
+  GradJob first;
+  first.accumulate = first.overwrite = true;
+  rig.pipeline->land_gradient(p, g, 0, first);  // straight into the accumulator
+  GradJob second;
+  second.accumulate = true;
+  rig.pipeline->land_gradient(p, g, 0, second);  // added there by the transfer
+  rig.transfer->land_all();
+  rig.pipeline->synchronize();
+  CHECK(p->grad == nullptr && p->accumulator[7] == 0.5f);
+  // a job that reads a landed gradient is refused before anything is queued
+  GradJob reads;
+  reads.norm = true;
+  CHECK_THROWS_AS(rig.pipeline->submit(p, reads), std::invalid_argument);
+  reads.from_accumulator = true;
+  rig.pipeline->submit(p, reads);
+  rig.pipeline->synchronize();
+  CHECK(p->squared_norm == n * 0.25);
+  // micro-batches added on the host land in a landing buffer, taken then and counted
+  rig.pipeline->set_device_accumulate(false);
+  rig.pipeline->land_gradient(p, g, 0, second);
+  rig.transfer->land_all();
+  rig.pipeline->synchronize();
+  CHECK(p->grad != nullptr && p->accumulator[7] == 0.75f && OffloadPipeline::state_bytes(*p) == 20 * n);
+  CHECK(rig.pipeline->release_state(*p) == 20 * n);
+  CHECK(rig.transfer->arena().used_bytes() == 0);
+  // bf16 weights always take one: their updated weights go up from it
+  CHECK(OffloadPipeline::state_bytes(n, DType::bfloat16, true) == 18 * n);
+  CHECK(OffloadPipeline::state_bytes(n, DType::float32, false) == 16 * n);
+}
+
 TEST_CASE("the update matches HostAdamW on the same buffers") {
   Rig rig;
   const std::size_t n = 4099;

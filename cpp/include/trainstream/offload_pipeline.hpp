@@ -25,7 +25,8 @@ namespace trainstream {
 // One parameter's host state: fp32 master weights, AdamW moments, the landing buffer for its
 // gradient (in the weight dtype; for bf16 weights it also carries the bf16 weights back up; an
 // fp32 gradient that is bf16-exact lands in its first half as bf16) and, with gradient
-// accumulation, an fp32 accumulator.
+// accumulation, an fp32 accumulator. fp32 weights with an accumulator land their gradients in it
+// and take a landing buffer only when one is sent there instead (land_gradient).
 class HostParam {
  public:
   std::size_t numel = 0;
@@ -35,7 +36,7 @@ class HostParam {
   float* master = nullptr;
   float* exp_avg = nullptr;
   float* exp_avg_sq = nullptr;
-  void* grad = nullptr;
+  void* grad = nullptr;  // the landing buffer (null until needed: see above)
   float* accumulator = nullptr;
   double squared_norm = 0.0;  // of the last gradient measured with GradJob::norm (grad_ops.hpp)
   // Speculation (OffloadPipeline::enable_speculation): where a speculative update writes the new
@@ -168,10 +169,18 @@ class OffloadPipeline {
   // fresh buffers, moments zeroed, for a parameter offloaded again (the caller fills them).
   std::size_t release_state(HostParam& p);
   std::size_t take_state(HostParam& p);
-  // Host bytes of a parameter's state: fp32 master and moments, the landing buffer in the weight
-  // dtype and, with `accumulate`, an fp32 accumulator (what add_param takes, and wrap() plans).
+  // Host bytes of a parameter's state as take_state takes it (and wrap() plans): fp32 master and
+  // moments, with `accumulate` an fp32 accumulator, and a landing buffer in the weight dtype
+  // unless its gradients land in the accumulator (fp32 weights with one).
   static std::size_t state_bytes(std::size_t numel, DType weight_dtype, bool accumulate);
-  static std::size_t state_bytes(const HostParam& p) { return state_bytes(p.numel, p.weight_dtype, p.accumulates_); }
+  static bool lands_in_accumulator(DType weight_dtype, bool accumulate) {
+    return accumulate && weight_dtype == DType::float32;
+  }
+  // What `p` holds now (a landing buffer taken since included).
+  static std::size_t state_bytes(const HostParam& p) {
+    return state_bytes(p.numel, p.weight_dtype, p.accumulates_) +
+           (p.grad != nullptr && lands_in_accumulator(p.weight_dtype, p.accumulates_) ? p.weight_bytes() : 0);
+  }
 
   HostAdamW& engine() { return engine_; }
   int niceness() const { return niceness_; }
@@ -247,7 +256,8 @@ class OffloadPipeline {
 
  private:
   struct Task;  // a queued job (src/pipeline/task.hpp)
-  static void check_job(const HostParam& p, const GradJob& job);
+  // `landing`: the job comes with a download into the landing buffer (taken then where missing).
+  static void check_job(const HostParam& p, const GradJob& job, bool landing);
   void enqueue(const std::shared_ptr<HostParam>& p, const GradJob& job, bool landing = false, bool packed = false);
   void enqueue_locked(const std::shared_ptr<HostParam>& p, const GradJob& job, bool landing, bool packed);
   std::unique_ptr<Task> pick_locked();

@@ -7,7 +7,7 @@ namespace trainstream {
 
 void OffloadPipeline::land_gradient(const std::shared_ptr<HostParam>& p, std::uintptr_t device_grad,
                                     std::uintptr_t producer_stream, const GradJob& requested) {
-  check_job(*p, requested);  // before anything is written to it
+  check_job(*p, requested, true);  // before anything is written to it
   GradJob job = requested;
   const bool device_add = device_accumulate_;
   // Where the gradient goes: the first fp32 micro-batch is copied straight into the accumulator;
@@ -19,7 +19,10 @@ void OffloadPipeline::land_gradient(const std::shared_ptr<HostParam>& p, std::ui
   } else if (job.accumulate && device_add) {
     route = Route::add;
   }
-  if (route != Route::landing) job.accumulate = false;
+  if (route != Route::landing) {
+    job.accumulate = false;
+    check_job(*p, job, false);  // what is left of it must not read a landing buffer this leaves out
+  }
   // Without device accumulation every gradient queues its job (even an empty one); with it, only
   // a job with work is queued, since an empty one would make the next micro-batch's hook wait for
   // this one to land. Later jobs still wait for this landing: enqueue() orders every job after
@@ -36,6 +39,9 @@ void OffloadPipeline::land_gradient(const std::shared_ptr<HostParam>& p, std::ui
     // window's norm and update), both of which this download is about to overwrite or add to.
     // Within a device-accumulated window no job is queued, so this returns at once.
     wait_idle(*p, lock);
+    // An fp32 parameter with an accumulator takes its landing buffer the first time a gradient is
+    // sent there (a window summed in VRAM, micro-batches added on the host): no job reads it now.
+    if (route == Route::landing && p->grad == nullptr) p->grad = transfer_->arena().allocate(p->weight_bytes());
     landed_.wait(lock, [&] {
       return downloading_bytes_ == 0 || downloading_bytes_ + bytes <= max_download_bytes_ || error_;
     });

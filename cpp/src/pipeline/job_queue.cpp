@@ -6,8 +6,11 @@
 
 namespace trainstream {
 
-void OffloadPipeline::check_job(const HostParam& p, const GradJob& job) {
+void OffloadPipeline::check_job(const HostParam& p, const GradJob& job, bool landing) {
   TS_EXPECTS(p.holds_state(), kReleased);
+  TS_EXPECTS(p.grad || landing || job.from_accumulator || !(job.norm || job.update || job.accumulate),
+             "OffloadPipeline: this job reads a landed gradient, but the parameter's gradients land in its "
+             "accumulator (from_accumulator)");
   TS_EXPECTS(!(job.accumulate || job.from_accumulator) || p.accumulator,
              "OffloadPipeline: accumulation requested for a parameter without an accumulator");
   TS_EXPECTS(!job.speculate || !p.keeps_weights_, "OffloadPipeline: weights kept on the host do not speculate");
@@ -35,7 +38,7 @@ void OffloadPipeline::submit(const std::vector<std::shared_ptr<HostParam>>& para
   TS_EXPECTS(params.size() == jobs.size(), "OffloadPipeline: one job per parameter");
   for (std::size_t k = 0; k < params.size(); ++k) {
     TS_EXPECTS(params[k] != nullptr, "OffloadPipeline: no parameter");
-    check_job(*params[k], jobs[k]);  // all before any is queued
+    check_job(*params[k], jobs[k], false);  // all before any is queued
   }
   if (params.empty()) return;
   {
@@ -47,7 +50,7 @@ void OffloadPipeline::submit(const std::vector<std::shared_ptr<HostParam>>& para
 }
 
 void OffloadPipeline::enqueue(const std::shared_ptr<HostParam>& p, const GradJob& job, bool landing, bool packed) {
-  check_job(*p, job);
+  check_job(*p, job, landing);
   {
     std::lock_guard<std::mutex> lock(mutex_);
     rethrow_locked();

@@ -61,7 +61,7 @@ void OffloadPipeline::commit(const std::vector<std::shared_ptr<HostParam>>& para
       job.scale = verdict;
       job.hyper = *params[k]->speculated_;
       job.device_weight = device_weights[k];
-      check_job(*params[k], job);  // all before any is queued
+      check_job(*params[k], job, false);  // all before any is queued
     }
     for (std::size_t k = 0; k < params.size(); ++k) enqueue_locked(params[k], jobs[k], false, false);
   }
