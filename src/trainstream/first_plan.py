@@ -122,6 +122,11 @@ def plan_first(shapes: Shapes, budget: int, resident: int, streamed: int) -> Fir
 
 
 # ------------------------------------------------------------------------------ the torch side
+def model_bytes(model: torch.nn.Module) -> int:
+    """Every weight and buffer of `model`, in bytes."""
+    return sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+
+
 def batch_tokens(args: tuple, kwargs: dict) -> int:
     """Tokens in a batch: the elements of `input_ids`, or of the first integer tensor of two or
     more dimensions among the model's inputs (0 when there is none)."""

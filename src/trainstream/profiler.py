@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from trainstream.first_plan import model_bytes
 from trainstream.timing import mark, seconds
 
 
@@ -42,7 +43,7 @@ class StepProfiler:
         self._inputs = None
         # CPU mode measures no memory: every figure is the weights alone (less those streamed from
         # host memory, `streamed_away`), so that a budget still means weights plus what the placement adds
-        self._floor = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+        self._floor = model_bytes(model)
         self._floor -= streamed_away
         self.forward_peak = self.tail_peak = 0
         self._segment = [self._floor] * self._count

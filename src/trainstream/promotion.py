@@ -157,7 +157,7 @@ class Promotion:
         tied = shared_outside(blocks, self._model)
         costs = from_shapes.resident_costs([s.weight.numel() for s in order], [s.param.element_size() for s in order],
                                           self._slots.accumulation_steps)
-        weights = sum(t.numel() * t.element_size() for t in list(self._model.parameters()) + list(self._model.buffers()))
+        weights = from_shapes.model_bytes(self._model)
         shapes = from_shapes.read_shapes(
             self._model, blocks, costs, self._param_blocks(len(blocks)), [j not in tied for j in range(len(blocks))],
             # (CPU mode measures no memory but the weights': nor does it estimate the activations)

@@ -17,7 +17,7 @@ from trainstream.distributed import (DataParallel, Sharded, check_ddp, check_fsd
                                      local_shard, partition)
 from trainstream.errors import (HostMemoryError, UnsupportedSetupError, VramBudgetError, check_compile_mode,
                                 check_not_distributed, check_optimizer, check_weight_dtype)
-from trainstream.first_plan import resident_costs, start_residents
+from trainstream.first_plan import model_bytes, resident_costs, start_residents
 from trainstream.host_adamw import DTYPE_NAMES
 from trainstream.host_budget import HostBudget, read_host_budget
 from trainstream.optimizer import OffloadedAdamW, resident_at_start, wrapped_by
@@ -316,7 +316,7 @@ def _streamed_to_fit(model: torch.nn.Module, blocks: list[torch.nn.Module], budg
     """The blocks whose weights stream from the first step on: none when the weights leave the
     activations room (PROFILE_WEIGHT_SHARE of the budget), else the fewest of the last blocks that
     do (the planner may stream more after profiling, never fewer)."""
-    weights = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+    weights = model_bytes(model)
     reserve = reserve_for(budget)
     room = PROFILE_WEIGHT_SHARE * (budget - reserve)
     if weights <= room:
@@ -347,7 +347,7 @@ def _start_residents(model: torch.nn.Module, params: list[torch.nn.Parameter], s
     away = {id(p) for block in streamed for p in block.parameters()}
     before = next((i for i, p in enumerate(params) if id(p) in away), len(params))
     sizes = [sum(p.numel() * p.element_size() for p in block.parameters()) for block in streamed]
-    weights = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+    weights = model_bytes(model)
     weights = weights_on_device(weights, sizes, len(sizes), depth)
     costs = resident_costs([p.numel() for p in params[:before]], [p.element_size() for p in params[:before]],
                            accumulation_steps)
