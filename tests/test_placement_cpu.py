@@ -598,7 +598,7 @@ def test_light_recompute_is_taken_first_where_it_saves_enough_and_blocks_go_whol
     assert plan.fits and plan.light and not plan.recomputed and plan.resident == n
     assert plan.step_terms["recompute_s"] < profile.blocks[0].forward_s
     assert "recomputed lightly" in planner.describe(plan, profile)
-    assert planner.block_kinds(plan, len(profile.blocks)).count("recomputed lightly") == len(plan.light)
+    assert planner.block_kinds(plan, profile).count("recomputed lightly") == len(plan.light)
     # a budget light recompute cannot meet (and no host memory to page into): blocks recomputed
     # lightly before are recomputed whole
     tight = planner.plan_placement(replace(profile, host_room=0), full - 8 * GB)
@@ -676,3 +676,49 @@ def test_blocks_that_write_into_their_matmuls_outputs_are_not_offered_light_reco
         opt.step()
         opt.zero_grad()
     assert opt.profile.blocks and all(b.light_bytes is None for b in opt.profile.blocks)
+
+
+def test_blocks_the_model_checkpoints_itself_are_never_recomputed_a_second_time():
+    profile = made_up_profile()
+    own = replace(profile, blocks=[replace(b, checkpointed=j % 2 == 0) for j, b in enumerate(profile.blocks)])
+    full = planner.peak_bytes(own, planner.Plan(resident=len(own.params)))
+    plan = planner.plan_placement(own, full - 3 * GB)
+    assert plan.fits and plan.recomputed and not any(own.blocks[j].checkpointed for j in plan.recomputed)
+    assert not any(own.blocks[j].checkpointed for j in planner.smallest_plan(own).recomputed)
+    kinds = planner.block_kinds(plan, own)
+    assert [k == "recomputed by the model" for k in kinds] == [
+        b.checkpointed and j not in plan.recomputed and not (plan.hooks and j < plan.paged)
+        for j, b in enumerate(own.blocks)]
+    assert "the model recomputes 4 blocks itself" in planner.describe(plan, own)
+
+
+def test_hugging_face_gradient_checkpointing_is_detected_and_said():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=32,
+                                      use_cache=False)
+
+    def run(tuning, checkpointing=True):
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(config)
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        model, opt = trainstream.wrap(model, opt, max_grad_norm=1.0, tuning=tuning,
+                                      **({"vram_budget": "1GB"} if tuning is None else {}))
+        g = torch.Generator().manual_seed(1)
+        for _ in range(4):
+            tokens = torch.randint(0, 256, (2, 16), generator=g)
+            model(input_ids=tokens, labels=tokens).loss.backward()
+            opt.step()
+            opt.zero_grad()
+        opt.synchronize()
+        return model, opt
+
+    model, opt = run(None)
+    assert opt.report()["placement"]["blocks"] == ["recomputed by the model"] * 3
+    assert "the model recomputes 3 blocks itself" in opt.describe()
+    ref, ref_opt = run(trainstream.Tuning(placement="offload", track_grad_norm=True))
+    assert_same_bits(model, opt, ref, ref_opt, "the model's own checkpointing")
+    _, plain = run(None, checkpointing=False)
+    assert "recomputed by the model" not in plain.report()["placement"]["blocks"]

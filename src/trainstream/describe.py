@@ -181,7 +181,7 @@ class Reporter:
         if plan is not None:
             profile = tiers.profile
             out.update({
-                "blocks": planner.block_kinds(plan, len(profile.blocks) if profile else 0),
+                "blocks": planner.block_kinds(plan, profile) if profile else [],
                 "recomputed": list(plan.recomputed), "recomputed_lightly": list(plan.light),
                 "saved_tensor_hooks": plan.hooks,
                 "expected_peak_bytes": plan.expected_peak, "reserve_bytes": plan.reserve,

@@ -69,6 +69,9 @@ class BlockCost:
     light_bytes: int | None = None  # what light recompute keeps besides its inputs (None: not offered)
     light_s: float = 0.0  # what light recompute adds to backward: the cheap ops run again
     recompute_s: float | None = None  # what recomputing it whole adds to backward (None: forward_s)
+    # the model recomputes it itself (its own gradient checkpointing): what it keeps is what that
+    # leaves, and recomputing it again would run its forward twice in backward
+    checkpointed: bool = False
 
 
 @dataclass
@@ -258,11 +261,12 @@ def peak_bytes(profile: Profile, plan: Plan) -> int:
     return state + always + worst + _streaming_delta(profile, plan)
 
 
-def block_kinds(plan: Plan, blocks: int) -> list[str]:
+def block_kinds(plan: Plan, profile: Profile) -> list[str]:
     """What the plan does with each block's activations: "paged", "recomputed", "recomputed
-    lightly" or "kept"."""
+    lightly", "recomputed by the model" (its own checkpointing, left as it is) or "kept"."""
     return ["paged" if plan.hooks and j < plan.paged else "recomputed" if j in plan.recomputed
-            else "recomputed lightly" if j in plan.light else "kept" for j in range(blocks)]
+            else "recomputed lightly" if j in plan.light else "recomputed by the model" if b.checkpointed
+            else "kept" for j, b in enumerate(profile.blocks)]
 
 
 def _paged_block_bytes(profile: Profile, plan: Plan) -> list[int]:
@@ -466,8 +470,8 @@ def _candidates(profile: Profile, plan: Plan) -> list[tuple[str, Plan]]:
     # Recomputing a block needs no saved-tensor hooks of ours (it is torch's checkpointing): without
     # them it also drops the block's autocast copies, as stock gradient checkpointing does. A
     # block recomputed lightly may be recomputed whole later.
-    open_ = [j for j in range(len(profile.blocks))
-             if profile.recompute and j not in plan.recomputed and (j >= plan.paged or not plan.hooks)]
+    open_ = [j for j, b in enumerate(profile.blocks) if profile.recompute and not b.checkpointed
+             and j not in plan.recomputed and (j >= plan.paged or not plan.hooks)]
     def whole(j: int) -> Plan:
         return replace(plan, recomputed=tuple(sorted(plan.recomputed + (j,))), light=tuple(k for k in plan.light if k != j))
 
@@ -597,7 +601,8 @@ def smallest_plan(profile: Profile) -> Plan:
         return Plan(resident=0, hooks=profile.profiled_hooks, paged=profile.profiled_paged,
                     streamed=streamable(profile))
     plan = Plan(resident=0, hooks=True, paged=n, streamed=streamable(profile),
-                recomputed=tuple(j for j, b in enumerate(profile.blocks) if b.bytes > b.input_bytes and profile.recompute))
+                recomputed=tuple(j for j, b in enumerate(profile.blocks)
+                                 if b.bytes > b.input_bytes and profile.recompute and not b.checkpointed))
     while not _host_holds(profile, plan):  # as many leading blocks paged as host memory holds
         plan = replace(plan, paged=plan.paged - 1)
     return plan
@@ -615,12 +620,19 @@ def describe(plan: Plan, profile: Profile, names: bool = False) -> str:
         + (f", {plan.vram_sums} of them summing micro-batches in VRAM" if profile.accumulation_steps > 1 else ""),
     ]
     if profile.blocks:
-        kinds = block_kinds(plan, len(profile.blocks))
-        counts = {k: kinds.count(k) for k in ("kept", "paged", "recomputed", "recomputed lightly") if kinds.count(k)}
+        kinds = block_kinds(plan, profile)
+        counts = {k: kinds.count(k) for k in ("kept", "paged", "recomputed", "recomputed lightly",
+                                              "recomputed by the model") if kinds.count(k)}
         lines.append(f"activations: {len(kinds)} blocks, " + ", ".join(f"{v} {k}" for k, v in counts.items())
                      + ("; autocast weight copies recast in backward" if plan.hooks else
                         "; no saved-tensor hooks" + (" (recomputing is torch's checkpointing)"
                                                      if plan.recomputed or plan.light else "")))
+        own = sum(b.checkpointed for b in profile.blocks)
+        if own:
+            lines.append(f"checkpointing: the model recomputes {own} blocks itself (its gradient checkpointing); "
+                         f"TrainStream leaves them so and recomputes none a second time. Without it (e.g. "
+                         f"model.gradient_checkpointing_disable()) the planner recomputes only the blocks the "
+                         f"budget needs")
         if plan.hooks and plan.paged:
             room = "" if profile.host_room is None else f" (host memory had room for {profile.host_room / GB:.2f} GB)"
             lines.append(f"host: {paged_host_bytes(profile, plan) / GB:.2f} GB for the paged activations{room}")

@@ -38,6 +38,12 @@ PACK_S = 30e-6  # what one call of the saved-tensor hooks costs the host, where 
 HOST_S_PER_PARAM = 0.21e-9
 
 
+def checkpointed(block: torch.nn.Module) -> bool:
+    """Whether the model recomputes `block` in backward itself (Hugging Face's gradient
+    checkpointing marks each layer it wraps)."""
+    return block.training and bool(getattr(block, "gradient_checkpointing", False))
+
+
 class Promotion:
     """The tiers of one optimizer's parameters and the plan that sets them.
 
@@ -244,7 +250,7 @@ class Promotion:
             op_host_s = light_recompute.dispatch_seconds(self._engine.device) if pager.light else 0.0
             blocks = [planner.BlockCost(b, i, t, c, weight_bytes=sum(p.numel() * p.element_size()
                                                                      for p in pager.blocks[j].parameters()),
-                                        streamable=j not in tied,
+                                        streamable=j not in tied, checkpointed=checkpointed(pager.blocks[j]),
                                         light_bytes=None if lt is None else lt[0],
                                         light_s=0.0 if lt is None else light_recompute.seconds(
                                             *lt[1:], self._bandwidths[2], op_host_s))
