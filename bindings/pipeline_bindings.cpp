@@ -98,6 +98,8 @@ void bind_pipeline(py::module_& m) {
       .def_property_readonly("has_accumulator", [](const HostParam& p) { return p.accumulator != nullptr; })
       .def_property_readonly("has_landing_buffer", [](const HostParam& p) { return p.grad != nullptr; },
                              "False for fp32 weights whose gradients land in their accumulator")
+      .def_property_readonly("state_bytes", [](const HostParam& p) { return OffloadPipeline::state_bytes(p); },
+                             "Host bytes its state holds, or would take when take_state() takes it")
       .def_property_readonly("last_gradient_as_bf16", &HostParam::last_gradient_as_bf16,
                              "fp32 weights: whether the last gradient consumed crossed as bf16 (it was exact)")
       .def_property_readonly("holds_state", &HostParam::holds_state,

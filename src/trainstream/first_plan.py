@@ -124,7 +124,12 @@ def plan_first(shapes: Shapes, budget: int, resident: int, streamed: int) -> Fir
 # ------------------------------------------------------------------------------ the torch side
 def model_bytes(model: torch.nn.Module) -> int:
     """Every weight and buffer of `model`, in bytes."""
-    return sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+    return param_bytes(model) + sum(t.numel() * t.element_size() for t in model.buffers())
+
+
+def param_bytes(module: torch.nn.Module) -> int:
+    """Every weight of `module` (a block, say), in bytes."""
+    return sum(p.numel() * p.element_size() for p in module.parameters())
 
 
 def batch_tokens(args: tuple, kwargs: dict) -> int:
@@ -158,7 +163,7 @@ def read_shapes(model: torch.nn.Module, blocks: list[torch.nn.Module], costs: li
     features = [sum(m.in_features + m.out_features for m in b.modules() if isinstance(m, torch.nn.Linear))
                 for b in blocks]
     return Shapes(resident_bytes=costs, param_blocks=param_blocks, weight_bytes=weight_bytes,
-                  block_weight_bytes=[sum(p.numel() * p.element_size() for p in b.parameters()) for b in blocks],
+                  block_weight_bytes=[param_bytes(b) for b in blocks],
                   streamable=streamable, stream_depth=depth,
                   head_bytes=logits * (LOSS_BYTES_PER_LOGIT + size),
                   block_activation_bytes=2 * size * tokens * max(features, default=0), tokens=tokens)

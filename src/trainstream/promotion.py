@@ -20,11 +20,9 @@ import torch
 from trainstream import first_plan as from_shapes
 from trainstream import placement as planner
 from trainstream import progress
-from trainstream._native import _C
 from trainstream.activations import light as light_recompute
 from trainstream.clipping import Clipping
 from trainstream.errors import HostMemoryError, VramBudgetError
-from trainstream.host_adamw import DTYPE_NAMES
 from trainstream.profiler import RECOMPUTE_PER_FORWARD, StepProfiler, block_spans, measure_bandwidths
 from trainstream.resident import ResidentAdamW
 from trainstream.slots import Engine, Slot, Slots, Window
@@ -184,9 +182,7 @@ class Promotion:
                 f"weights; the budget less the planner's reserve is {chosen.limit / 1e9:.2f} GB. Lower the "
                 f"batch or sequence length, raise the budget, or use bf16 weights.")
         demoted = [s for s in order[chosen.resident:] if s.resident and not s.peer]
-        host_sums = self._slots.accumulation_steps > 1 and self._vram_sums is not True and self._dp is None
-        need = sum(_C.OffloadPipeline.state_bytes(s.weight.numel(), DTYPE_NAMES[s.param.dtype], host_sums)
-                   for s in demoted)
+        need = sum(s.host.state_bytes for s in demoted)
         room = engine.host_room(self._host_held())
         if need > room:
             raise HostMemoryError(
@@ -248,8 +244,7 @@ class Promotion:
             tied = shared_outside(pager.blocks, self._model)
             light = pager.light or [None] * len(pager.blocks)  # (kept bytes, cheap ops, bytes they write, all ops)
             op_host_s = light_recompute.dispatch_seconds(self._engine.device) if pager.light else 0.0
-            blocks = [planner.BlockCost(b, i, t, c, weight_bytes=sum(p.numel() * p.element_size()
-                                                                     for p in pager.blocks[j].parameters()),
+            blocks = [planner.BlockCost(b, i, t, c, weight_bytes=from_shapes.param_bytes(pager.blocks[j]),
                                         streamable=j not in tied, checkpointed=checkpointed(pager.blocks[j]),
                                         light_bytes=None if lt is None else lt[0],
                                         light_s=0.0 if lt is None else light_recompute.seconds(
@@ -296,7 +291,7 @@ class Promotion:
             profiled_paged=pager.paged_upto if pager is not None else 0, profiled_hooks=pager is not None,
             outside_cast_bytes=figures.outside_cast_bytes if figures is not None else 0, hook_s=hook_s,
             lean_hook_s=lean_hook_s,
-            weight_bytes=sum(p.numel() * p.element_size() for p in self._model.parameters()),
+            weight_bytes=from_shapes.param_bytes(self._model),
             fixed_activations=not deferred, streamed=self.streamed_count() if blocks else 0,
             profiled_resident=sum(1 for s in order if s.resident),
             stream_depth=self._depth, recompute=pager is None or pager.recompute,

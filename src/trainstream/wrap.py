@@ -17,7 +17,7 @@ from trainstream.distributed import (DataParallel, Sharded, check_ddp, check_fsd
                                      local_shard, partition)
 from trainstream.errors import (HostMemoryError, UnsupportedSetupError, VramBudgetError, check_compile_mode,
                                 check_not_distributed, check_optimizer, check_weight_dtype)
-from trainstream.first_plan import model_bytes, resident_costs, start_residents
+from trainstream.first_plan import model_bytes, param_bytes, resident_costs, start_residents
 from trainstream.host_adamw import DTYPE_NAMES
 from trainstream.host_budget import HostBudget, read_host_budget
 from trainstream.optimizer import OffloadedAdamW, resident_at_start, wrapped_by
@@ -324,7 +324,7 @@ def _streamed_to_fit(model: torch.nn.Module, blocks: list[torch.nn.Module], budg
     tied = shared_outside(blocks, model)
     n = len(blocks)
     can = last_streamable([k not in tied for k in range(n)])
-    sizes = [sum(p.numel() * p.element_size() for p in b.parameters()) for b in blocks]
+    sizes = [param_bytes(b) for b in blocks]
     on_device = weights
     for k in range(1, can + 1):
         on_device = weights_on_device(weights, sizes, k, depth)
@@ -346,7 +346,7 @@ def _start_residents(model: torch.nn.Module, params: list[torch.nn.Parameter], s
     streamed block's whose state fits a share of the budget beside the weights."""
     away = {id(p) for block in streamed for p in block.parameters()}
     before = next((i for i, p in enumerate(params) if id(p) in away), len(params))
-    sizes = [sum(p.numel() * p.element_size() for p in block.parameters()) for block in streamed]
+    sizes = [param_bytes(block) for block in streamed]
     weights = model_bytes(model)
     weights = weights_on_device(weights, sizes, len(sizes), depth)
     costs = resident_costs([p.numel() for p in params[:before]], [p.element_size() for p in params[:before]],

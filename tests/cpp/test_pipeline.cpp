@@ -290,6 +290,7 @@ TEST_CASE("a parameter registered without state holds no host memory until it ta
   HostArena& arena = rig.transfer->arena();
   auto p = rig.pipeline->add_param(1 << 16, DType::bfloat16, true, 0, /*with_state=*/false);
   CHECK(!p->holds_state() && arena.reserved_bytes() == 0);
+  CHECK(OffloadPipeline::state_bytes(*p) == OffloadPipeline::state_bytes(1 << 16, DType::bfloat16, true));  // to take
   std::vector<float> grad(1 << 16, 0.25f);
   CHECK_THROWS_AS(rig.pipeline->land_gradient(p, reinterpret_cast<std::uintptr_t>(grad.data()), 0, GradJob{}),
                   std::invalid_argument);
