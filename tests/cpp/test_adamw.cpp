@@ -16,6 +16,7 @@
 
 #include "check.hpp"
 #include "trainstream/adamw.hpp"
+#include "trainstream/adamw8bit.hpp"
 #include "trainstream/errors.hpp"
 
 using namespace trainstream;
@@ -196,6 +197,27 @@ bool accepted(const AdamWBuffers& b) {
 
 // ---------------------------------------------------------------------------------------------
 // Vector kernels vs the scalar reference
+
+TEST_CASE("8-bit codes are the nearest value of the map, ties up, and blocks must be whole") {
+  float qmap[256];
+  for (int i = 0; i < 256; ++i) qmap[i] = static_cast<float>(i) / 255.0f;  // ascending, 0 to 1
+  CHECK(quantize_with_qmap(0.0f, qmap) == 0);
+  CHECK(quantize_with_qmap(1.0f, qmap) == 255);
+  CHECK(quantize_with_qmap(2.0f, qmap) == 255);  // past the map's end: its last code
+  CHECK(quantize_with_qmap(qmap[7] + 0.4f * (qmap[8] - qmap[7]), qmap) == 7);
+  CHECK(quantize_with_qmap(qmap[7] + 0.6f * (qmap[8] - qmap[7]), qmap) == 8);
+  CHECK(quantize_with_qmap(0.5f * (qmap[100] + qmap[101]), qmap) == 101);
+  ThreadPool pool(1);
+  std::vector<float> param(300), grad(300), scale(2);
+  std::vector<std::uint8_t> codes(300);
+  AdamW8bitBuffers b;
+  b.param = param.data();
+  b.grad = grad.data();
+  b.exp_avg = b.exp_avg_sq = {codes.data(), scale.data()};
+  b.signed_qmap = b.unsigned_qmap = qmap;
+  b.numel = 300;
+  CHECK_THROWS_AS(adamw8bit_step(pool, b, AdamW8bitHyper{}), std::invalid_argument);
+}
 
 TEST_CASE("every supported vector kernel matches the scalar kernel bit for bit") {
   for (Isa isa : kVectorIsas) {

@@ -1,0 +1,53 @@
+// Blockwise 8-bit AdamW on host buffers: torchao.optim.AdamW8bit's update (Dettmers et al. 2021,
+// torchao's dynamic quantization map and its rounding), in its own fp32 arithmetic. Each moment
+// is one uint8 code a parameter and one fp32 scale (the block's largest magnitude) per block of
+// kQuantBlock parameters. The engine does not wire it into the offload pipeline yet.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "trainstream/adamw.hpp"
+#include "trainstream/thread_pool.hpp"
+
+namespace trainstream {
+
+constexpr std::size_t kQuantBlock = 256;
+
+// One moment's compact state: numel codes and numel / kQuantBlock scales.
+struct Quantized {
+  std::uint8_t* codes = nullptr;
+  float* scale = nullptr;
+};
+
+struct AdamW8bitBuffers {
+  float* param = nullptr;  // fp32 weights, updated in place
+  const void* grad = nullptr;
+  DType grad_dtype = DType::float32;
+  Quantized exp_avg;     // signed map
+  Quantized exp_avg_sq;  // unsigned map
+  const float* signed_qmap = nullptr;    // 256 ascending values in [-1, 1]
+  const float* unsigned_qmap = nullptr;  // 256 ascending values in [0, 1]
+  std::size_t numel = 0;  // a positive multiple of kQuantBlock
+};
+
+// torchao keeps lr in an fp32 tensor and the step count in an fp32 tensor; the bias corrections
+// are fp32 powers of the betas, as it computes them.
+struct AdamW8bitHyper {
+  float lr = 1e-3f;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 1e-2;
+  std::int64_t step = 1;
+  float grad_scale = 1.0f;  // multiplies the gradient first, as clip_grad_norm_ scales it in place
+};
+
+// The code whose value is nearest `x` (ties up), found as torchao finds it: a branchless binary
+// search for the last value <= x, then a step up where x lies at least halfway to the next.
+std::uint8_t quantize_with_qmap(float x, const float* qmap);
+
+// Validates (std::invalid_argument) and runs one update over the pool, whole blocks per task.
+void adamw8bit_step(ThreadPool& pool, const AdamW8bitBuffers& buffers, const AdamW8bitHyper& hyper);
+
+}  // namespace trainstream

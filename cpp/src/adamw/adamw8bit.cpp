@@ -1,0 +1,109 @@
+// Blockwise 8-bit AdamW, scalar. Built with -ffp-contract=off: every rounding is one torchao's
+// eager ops make (lerp's fused multiply-add included, as torch's CPU kernel computes it), but
+// for the square root: ours is correctly rounded, torch's vectorised CPU sqrt not always.
+#include "trainstream/adamw8bit.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+
+#include "trainstream/errors.hpp"
+
+namespace trainstream {
+
+std::uint8_t quantize_with_qmap(float x, const float* qmap) {
+  unsigned code = x >= qmap[128] ? 128 : 0;
+  for (unsigned step = 64; step > 0; step >>= 1) code += x >= qmap[code + step] ? step : 0;
+  const unsigned up = std::min(code + 1, 255u);
+  const float down_value = qmap[code];
+  return static_cast<std::uint8_t>(x - down_value >= (qmap[up] - down_value) * 0.5f ? up : code);
+}
+
+namespace {
+
+struct Coeffs {
+  float lr, lr_wd, bc1, bc2_sqrt, eps, grad_scale;
+  float m_coeff, v_coeff;  // lerp weights as fma coefficients (see AdamWCoeffs::lerp_coeff)
+  bool m_from_start, v_from_start;
+};
+
+// torch.lerp with a scalar weight w, as its CPU kernel rounds it.
+inline float lerp(float start, float end, float coeff, bool from_start) {
+  return std::fma(coeff, end - start, from_start ? start : end);
+}
+
+Coeffs coeffs(const AdamW8bitHyper& h) {
+  TS_EXPECTS(std::isfinite(h.lr) && h.lr >= 0, "AdamW8bit: lr must be finite and >= 0");
+  TS_EXPECTS(h.beta1 >= 0 && h.beta1 < 1 && h.beta2 >= 0 && h.beta2 < 1, "AdamW8bit: betas must be in [0, 1)");
+  TS_EXPECTS(std::isfinite(h.eps) && h.eps >= 0, "AdamW8bit: eps must be finite and >= 0");
+  TS_EXPECTS(std::isfinite(h.weight_decay) && h.weight_decay >= 0, "AdamW8bit: weight_decay must be finite and >= 0");
+  TS_EXPECTS(h.step >= 1, "AdamW8bit: step counts from 1, got " + std::to_string(h.step));
+  TS_EXPECTS(std::isfinite(h.grad_scale), "AdamW8bit: grad_scale must be finite");
+  const float step = static_cast<float>(h.step);
+  Coeffs c;
+  c.lr = h.lr;
+  c.lr_wd = h.lr * static_cast<float>(h.weight_decay);
+  c.bc1 = 1.0f - std::pow(static_cast<float>(h.beta1), step);
+  c.bc2_sqrt = std::sqrt(1.0f - std::pow(static_cast<float>(h.beta2), step));
+  c.eps = static_cast<float>(h.eps);
+  c.grad_scale = h.grad_scale;
+  const float wm = static_cast<float>(1.0 - h.beta1), wv = static_cast<float>(1.0 - h.beta2);
+  c.m_from_start = wm < 0.5f;
+  c.m_coeff = c.m_from_start ? wm : wm - 1.0f;
+  c.v_from_start = wv < 0.5f;
+  c.v_coeff = c.v_from_start ? wv : wv - 1.0f;
+  return c;
+}
+
+// Requantizes one block of new moment values into `q` at block `b`.
+void store_block(const float* values, Quantized q, std::size_t b, const float* qmap) {
+  float amax = 0.0f;
+  for (std::size_t i = 0; i < kQuantBlock; ++i) amax = std::max(amax, std::fabs(values[i]));
+  const float scale = std::max(amax, 1e-12f);
+  q.scale[b] = scale;
+  for (std::size_t i = 0; i < kQuantBlock; ++i) q.codes[b * kQuantBlock + i] = quantize_with_qmap(values[i] / scale, qmap);
+}
+
+void update_blocks(const AdamW8bitBuffers& buf, const Coeffs& c, std::size_t first, std::size_t last) {
+  const float* g32 = static_cast<const float*>(buf.grad);
+  const auto* g16 = static_cast<const std::uint16_t*>(buf.grad);
+  float m[kQuantBlock], v[kQuantBlock];
+  for (std::size_t b = first; b < last; ++b) {
+    const std::size_t at = b * kQuantBlock;
+    const float m_scale = buf.exp_avg.scale[b], v_scale = buf.exp_avg_sq.scale[b];
+    for (std::size_t i = 0; i < kQuantBlock; ++i) {
+      float g = buf.grad_dtype == DType::bfloat16 ? bf16_to_float(g16[at + i]) : g32[at + i];
+      g = g * c.grad_scale;
+      m[i] = lerp(buf.signed_qmap[buf.exp_avg.codes[at + i]] * m_scale, g, c.m_coeff, c.m_from_start);
+      v[i] = lerp(buf.unsigned_qmap[buf.exp_avg_sq.codes[at + i]] * v_scale, g * g, c.v_coeff, c.v_from_start);
+      const float p = buf.param[at + i];
+      const float decayed = p - c.lr_wd * p;
+      const float denom = std::sqrt(v[i]) / c.bc2_sqrt + c.eps;
+      buf.param[at + i] = decayed - c.lr * (m[i] / c.bc1) / denom;
+    }
+    store_block(m, buf.exp_avg, b, buf.signed_qmap);
+    store_block(v, buf.exp_avg_sq, b, buf.unsigned_qmap);
+  }
+}
+
+}  // namespace
+
+void adamw8bit_step(ThreadPool& pool, const AdamW8bitBuffers& buf, const AdamW8bitHyper& hyper) {
+  TS_EXPECTS(buf.numel > 0 && buf.numel % kQuantBlock == 0,
+             "AdamW8bit: numel must be a positive multiple of " + std::to_string(kQuantBlock) + ", got " +
+                 std::to_string(buf.numel));
+  TS_EXPECTS(buf.param && buf.grad && buf.exp_avg.codes && buf.exp_avg.scale && buf.exp_avg_sq.codes &&
+                 buf.exp_avg_sq.scale && buf.signed_qmap && buf.unsigned_qmap,
+             "AdamW8bit: null buffer pointer");
+  TS_EXPECTS(buf.grad_dtype == DType::float32 || buf.grad_dtype == DType::bfloat16,
+             "AdamW8bit: gradient dtype must be float32 or bfloat16");
+  const Coeffs c = coeffs(hyper);
+  const std::size_t blocks = buf.numel / kQuantBlock;
+  const std::size_t per_task = chunk_elements(buf.numel, pool.size()) / kQuantBlock;  // whole blocks
+  const std::size_t tasks = (blocks + per_task - 1) / per_task;
+  pool.parallel_for(tasks, [&](std::size_t t) {
+    update_blocks(buf, c, t * per_task, std::min(blocks, (t + 1) * per_task));
+  });
+}
+
+}  // namespace trainstream

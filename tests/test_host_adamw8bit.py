@@ -1,0 +1,83 @@
+"""The host engine's blockwise 8-bit AdamW against torchao's AdamW8bit update, run eagerly on the CPU.
+
+torchao compiles its update with torch.compile; its eager form is the arithmetic the engine
+matches. The moments (codes and scales) match it to the bit. The weights match it to the bit
+with a correctly rounded square root in the reference; torch's vectorised CPU sqrt is not always
+correctly rounded (as in test_host_adamw.py), so against torchao as it stands a weight can land
+one ulp away."""
+import pytest
+import torch
+
+from trainstream import _C
+
+adam = pytest.importorskip("torchao.optim.adam")
+subclass_8bit = pytest.importorskip("torchao.optim.subclass_8bit")
+
+
+def _reference_step(p, g, m, v, step, lr, beta1, beta2, eps, wd, exact_sqrt=True):
+    if exact_sqrt:  # torchao's update, with a square root rounded once from float64 (exact for fp32)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(torch.Tensor, "sqrt", lambda self: torch.sqrt(self.double()).float())
+            return _reference_step(p, g, m, v, step, lr, beta1, beta2, eps, wd, exact_sqrt=False)
+    adam.single_param_adam(p, g, torch.tensor(float(step)), m, v, None, torch.tensor(lr), beta1, beta2, wd, eps,
+                           True, False)
+
+
+def _engine_step(engine, p, g, m, v, step, lr, beta1, beta2, eps, wd, grad_scale=1.0):
+    engine.step_8bit(p.data_ptr(), g.data_ptr(), "bfloat16" if g.dtype == torch.bfloat16 else "float32",
+                     m.codes.data_ptr(), m.scale.data_ptr(), v.codes.data_ptr(), v.scale.data_ptr(),
+                     m.qmap.data_ptr(), v.qmap.data_ptr(), p.numel(), lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                     weight_decay=wd, step=step, grad_scale=grad_scale)
+
+
+def _state(numel):
+    zeros = subclass_8bit.OptimState8bit.zeros
+    return zeros((numel,), True, 256), zeros((numel,), False, 256)
+
+
+@pytest.mark.parametrize("numel", [256, 4096, 3 * 65536 + 768])
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+def test_eight_bit_updates_match_torchao_bit_for_bit(numel, grad_dtype):
+    torch.manual_seed(0)
+    engine = _C.HostAdamW(threads=2)
+    p_ref = torch.randn(numel)
+    p_ours = p_ref.clone()
+    (m_ref, v_ref), (m_ours, v_ours) = _state(numel), _state(numel)
+    hyper = dict(lr=3e-3, beta1=0.9, beta2=0.95, eps=1e-8, wd=0.1)
+    for step in range(1, 6):
+        g = (torch.randn(numel) * 10.0 ** (step - 3)).to(grad_dtype)
+        p_before = p_ref.clone()
+        m_before = [subclass_8bit.OptimState8bit(s.codes.clone(), s.scale.clone(), s.qmap, s.signed)
+                    for s in (m_ref, v_ref)]
+        _reference_step(p_ref, g, m_ref, v_ref, step, **hyper)
+        _engine_step(engine, p_ours, g, m_ours, v_ours, step, **hyper)
+        assert torch.equal(p_ours, p_ref), f"weights differ at step {step}"
+        p_torchao = p_before.clone()
+        _reference_step(p_torchao, g, m_before[0], m_before[1], step, **hyper, exact_sqrt=False)
+        ulp = (torch.nextafter(p_ref.abs(), torch.tensor(float("inf"))) - p_ref.abs()).clamp(min=3e-7)
+        assert ((p_torchao - p_ref).abs() <= ulp).all(), "beyond max(3e-7, 1 ulp) of torchao's own sqrt"
+        for ours, ref in ((m_ours, m_ref), (v_ours, v_ref)):
+            assert torch.equal(ours.codes, ref.codes) and torch.equal(ours.scale, ref.scale), f"state at step {step}"
+
+
+def test_a_gradient_scale_is_the_clip_coefficient_applied_first():
+    torch.manual_seed(1)
+    numel, coef = 8192, 0.37
+    engine = _C.HostAdamW(threads=2)
+    g = torch.randn(numel)
+    p_ref = torch.randn(numel)
+    p_ours = p_ref.clone()
+    (m_ref, v_ref), (m_ours, v_ours) = _state(numel), _state(numel)
+    hyper = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, wd=0.01)
+    _reference_step(p_ref, g * coef, m_ref, v_ref, 1, **hyper)
+    _engine_step(engine, p_ours, g, m_ours, v_ours, 1, **hyper, grad_scale=coef)
+    assert torch.equal(p_ours, p_ref)
+    assert torch.equal(m_ours.codes, m_ref.codes)
+
+
+def test_sizes_that_are_not_whole_blocks_are_refused():
+    engine = _C.HostAdamW(threads=1)
+    p = torch.zeros(300)
+    m, v = _state(512)
+    with pytest.raises(ValueError, match="multiple of 256"):
+        _engine_step(engine, p, p, m, v, 1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, wd=0.0)
