@@ -24,6 +24,9 @@ void bind_pager(py::module_& m) {
       .def("wait_paged_out", &ActivationPager::wait_paged_out, py::arg("paged"),
            py::call_guard<py::gil_scoped_release>(), "Block until the page-out has landed in host memory.")
       .def_property_readonly("memory_kind", &ActivationPager::memory_kind)
+      .def("mark", &ActivationPager::mark, "Start counting which slots the steps from now on use.")
+      .def("trim", &ActivationPager::trim, py::call_guard<py::gil_scoped_release>(),
+           "Give back the free slots not used since mark(); returns the host bytes no longer reserved.")
       .def("stats", [](const ActivationPager& p) {
         const ActivationPager::Stats s = p.stats();
         py::dict d;

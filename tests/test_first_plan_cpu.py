@@ -126,6 +126,8 @@ def test_a_model_that_fits_never_takes_host_memory_and_trains_the_same_bits():
     assert opt.plan is not None and opt.plan.resident == len(opt.slots.order)
     assert opt.profile.profiled_resident == len(opt.slots.order)
     assert opt.engine.pipeline.host_reserved_bytes == 0  # never taken, at any step
+    assert opt.promotion.pager is not None  # the profiled step paged, the plan pages nothing:
+    assert opt.host_memory() == dict.fromkeys(opt.host_memory(), 0)  # its slots went back
     ref, ref_opt = make()
     ref, ref_opt = trainstream.wrap(ref, ref_opt, max_grad_norm=1.0, accumulation_steps=2,
                                     tuning=trainstream.Tuning(placement="offload", track_grad_norm=True))

@@ -204,6 +204,37 @@ def test_a_parameter_made_resident_gives_its_host_memory_back_and_takes_it_again
         assert torch.equal(s.state["exp_avg_sq"], r.state["exp_avg_sq"])
 
 
+@pytest.mark.parametrize("roomy", [True, False], ids=["pages-nothing", "pages-as-profiled"])
+def test_the_activation_slots_the_plan_does_not_page_into_go_back_after_its_first_step(roomy):
+    """The profiled step pages every block but the last; a plan that pages nothing gives those
+    slots back, one that pages the same blocks keeps them and takes no more."""
+    torch.manual_seed(0)
+    model = TinyLM(dim=512, layers=3, seq=64)  # activations of 2 MiB: worth paging
+    weights = sum(p.numel() * 4 for p in model.parameters())
+    model, opt = trainstream.wrap(model, torch.optim.AdamW(param_groups(model), lr=1e-3), max_grad_norm=1.0,
+                                  vram_budget="100GB" if roomy else int(weights / 0.88))
+    g = torch.Generator().manual_seed(1)
+    data = [torch.randint(0, 97, (16, 65), generator=g) for _ in range(4)]
+
+    def step(batch):
+        model.loss(batch).backward()
+        opt.step()
+        opt.zero_grad()
+
+    step(data[0])
+    profiled, slots = opt.host_memory()["activation_slots"], opt.promotion.pager.native.stats()["slots"]
+    assert opt.promotion.state == "profiling" and profiled > 0
+    for batch in data[1:]:
+        step(batch)
+    native = opt.promotion.pager.native.stats()
+    if roomy:
+        assert opt.plan.paged == 0 and opt.host_memory()["activation_slots"] == 0 and native["slots"] == 0
+        assert "slots for paged activations" not in opt.describe()
+    else:
+        assert opt.plan.paged > 0 and opt.host_memory()["activation_slots"] == profiled
+        assert native["slots"] == slots and native["paged_in_bytes"] == native["paged_out_bytes"] > 0
+
+
 @pytest.mark.parametrize("dtype, acc, per_param", [(torch.float32, 1, 16), (torch.float32, 4, 16),
                                                    (torch.bfloat16, 1, 14), (torch.bfloat16, 4, 18)])
 def test_each_configuration_takes_the_bytes_it_states(dtype, acc, per_param):

@@ -1,6 +1,8 @@
 #include "trainstream/activation_pager.hpp"
 
+#include <algorithm>
 #include <cstring>
+#include <unordered_set>
 
 #include "trainstream/errors.hpp"
 
@@ -31,6 +33,7 @@ SlotPool::Slot* SlotPool::acquire(std::size_t bytes,
     slots_.push_back(std::move(fresh));
   }
   in_use_ += slot->capacity;
+  slot->epoch = epoch_;
   return slot;
 }
 
@@ -38,6 +41,32 @@ void SlotPool::release(Slot* slot) noexcept {
   std::lock_guard<std::mutex> lock(mutex_);
   in_use_ -= slot->capacity;
   free_.emplace(slot->capacity, slot);
+}
+
+void SlotPool::mark() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  ++epoch_;
+}
+
+std::size_t SlotPool::trim() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const std::size_t before = arena_.reserved_bytes();
+  std::unordered_set<const Slot*> freed;
+  for (auto it = free_.begin(); it != free_.end();) {
+    Slot* slot = it->second;
+    if (slot->epoch == epoch_) {
+      ++it;
+      continue;
+    }
+    slot->sync->finish();  // (its last copies may still read or write it)
+    arena_.release(slot->data, slot->capacity);
+    freed.insert(slot);
+    it = free_.erase(it);
+  }
+  slots_.erase(std::remove_if(slots_.begin(), slots_.end(),
+                              [&freed](const std::unique_ptr<Slot>& s) { return freed.count(s.get()) > 0; }),
+               slots_.end());
+  return before - arena_.reserved_bytes();
 }
 
 std::size_t SlotPool::slot_count() const {

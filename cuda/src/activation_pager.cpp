@@ -22,6 +22,10 @@ struct PagerSync : TransferSlot {
     TS_CUDA_CHECK(cudaEventCreateWithFlags(&out_done, cudaEventDisableTiming | cudaEventBlockingSync));
     TS_CUDA_CHECK(cudaEventCreateWithFlags(&in_done, cudaEventDisableTiming));
   }
+  void finish() override {
+    TS_CUDA_CHECK(cudaEventSynchronize(out_done));
+    if (ever_in) TS_CUDA_CHECK(cudaEventSynchronize(in_done));
+  }
   ~PagerSync() override {
     cudaEventDestroy(out_done);
     cudaEventDestroy(in_done);

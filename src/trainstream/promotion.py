@@ -78,6 +78,7 @@ class Promotion:
         self._stats_at_start = None
         self._bandwidths = None  # (d2h, h2d, VRAM) bytes/s, measured when the profiled window starts
         self._checked = False  # the first planned window's peak has been compared with the budget
+        self._trim_due = False  # the activation slots the plan does not use go back after its first window
         self.first_plan: from_shapes.FirstPlan | None = None  # made at the first forward (a budget given)
         self._hooks: list = []
 
@@ -133,9 +134,21 @@ class Promotion:
         if self.profiler is not None and self.plan is None and self.profiler.complete:
             self._promote()
             return True
-        if self.plan is not None and not self._checked:
-            self._check_peak()
+        if self.plan is not None:
+            self._trim_slots()
+            if not self._checked:
+                self._check_peak()
         return False
+
+    def _trim_slots(self) -> None:
+        """Gives back the pager's slots that the first window of a plan did not use (the profiled
+        steps page more than most plans do)."""
+        if not self._trim_due:
+            return
+        self._trim_due = False
+        freed = self.pager.native.trim()
+        if freed:
+            log.info("trainstream: %.2f GB of activation slots the plan does not use given back", freed / 1e9)
 
     # ------------------------------------------------------------------ plan and apply
     def _param_blocks(self, n: int) -> list[int]:
@@ -330,6 +343,10 @@ class Promotion:
             else:  # (a re-plan may need it again: _check_peak)
                 pager.remove()
                 self.active_pager = None
+            pager.native.mark()  # what the plan's first window pages keeps its slots
+            self._trim_due = True
+            if self.active_pager is None:
+                self._trim_slots()  # nothing will be paged
         self.plan = plan
         self._planned()
         if self._engine.device.type == "cuda":

@@ -53,6 +53,38 @@ TEST_CASE("slots are reused step after step") {
   CHECK(pager.stats().reserved_bytes == reserved_after_first);
 }
 
+TEST_CASE("trim gives back the slots a plan no longer uses, and keeps the ones it does") {
+  HostActivationPager pager;
+  std::vector<float> big(64 << 20);  // 256 MiB: a slab of its own
+  std::vector<float> small(1 << 20);
+  {
+    std::vector<std::shared_ptr<PagedActivation>> saved;  // a profiled step pages both
+    saved.push_back(pager.page_out(addr(big.data()), big.size() * 4, 0));
+    saved.push_back(pager.page_out(addr(small.data()), small.size() * 4, 0));
+  }
+  const std::size_t profiled = pager.stats().reserved_bytes;
+  CHECK(pager.trim() == 0);  // nothing marked yet: nothing is given back
+  pager.mark();              // the plan starts: it pages the small one only
+  pager.page_out(addr(small.data()), small.size() * 4, 0).reset();
+  const std::size_t freed = pager.trim();
+  CHECK(freed >= big.size() * 4);
+  CHECK(pager.stats().reserved_bytes == profiled - freed);
+  CHECK(pager.stats().slots == 1);
+  std::vector<float> back(small.size());  // the kept slot still pages exactly
+  small[12345] = 7.5f;
+  auto paged = pager.page_out(addr(small.data()), small.size() * 4, 0);
+  pager.page_in(*paged, addr(back.data()), 0);
+  CHECK(back[12345] == 7.5f);
+  CHECK(pager.stats().slots == 1);
+  pager.mark();  // a plan that pages nothing: the live slot stays, the rest goes
+  CHECK(pager.trim() == 0);
+  paged.reset();
+  pager.mark();
+  pager.trim();
+  CHECK(pager.stats().slots == 0);
+  CHECK(pager.stats().reserved_bytes == 0);
+}
+
 TEST_CASE("size classes round up and never shrink a request") {
   CHECK(SlotPool::size_class(1) == (64u << 10));
   CHECK(SlotPool::size_class(64u << 10) == (64u << 10));

@@ -23,11 +23,17 @@ class SlotPool {
     void* data;
     std::size_t capacity;
     std::unique_ptr<TransferSlot> sync;  // the backend's events for this slot
+    std::uint64_t epoch = 0;             // the mark() current when it was last acquired
   };
 
   explicit SlotPool(std::unique_ptr<SlabSource> source);
   Slot* acquire(std::size_t bytes, const std::function<std::unique_ptr<TransferSlot>()>& make_sync);
   void release(Slot* slot) noexcept;
+  // For when a plan pages less than the steps before it: mark() when the plan starts, trim() after
+  // a step in it. trim() gives back the free slots not acquired since the last mark() (their slabs
+  // go to the OS once every slot in them is back) and returns the host bytes no longer reserved.
+  void mark();
+  std::size_t trim();
 
   std::size_t slot_count() const;
   std::size_t reserved_bytes() const { return arena_.reserved_bytes(); }
@@ -42,6 +48,7 @@ class SlotPool {
   std::vector<std::unique_ptr<Slot>> slots_;
   std::multimap<std::size_t, Slot*> free_;  // capacity -> free slot
   std::size_t in_use_ = 0;
+  std::uint64_t epoch_ = 0;
 };
 
 // One activation's host copy. The slot goes back to the pool when the last reference goes.
@@ -92,6 +99,8 @@ class ActivationPager {
 
   Stats stats() const;
   const char* memory_kind() const { return pool_->kind(); }
+  void mark() { pool_->mark(); }
+  std::size_t trim() { return pool_->trim(); }
 
  protected:
   virtual std::unique_ptr<TransferSlot> make_sync() = 0;

@@ -18,6 +18,8 @@ namespace trainstream {
 class TransferSlot {
  public:
   virtual ~TransferSlot() = default;
+  // Blocks until the copies queued on this slot have run (before its host memory is freed).
+  virtual void finish() {}
 };
 
 // Where a gradient's squared norm is taken on the device (device memory): the norm into *out, with
