@@ -6,7 +6,10 @@
 //
 // Bytes per parameter: read p, g, m, v and write p, m, v: 28 B with an fp32 gradient, 26 B
 // with a bf16 one. Each is also timed writing only the update term (term_only, what the offload
-// pipeline does for fp32 weights): p is not read, so 4 B less.
+// pipeline does for fp32 weights): p is not read, so 4 B less. The blockwise 8-bit update
+// (output "8bit": torchao's AdamW8bit over an fp32 master) reads p, g and the two moments' codes
+// and writes p and the codes: 16 B with an fp32 gradient, 14 B with a bf16 one (+ 1/32 B of
+// block scales).
 //
 // Memory: the four fp32 buffers, 16 N bytes (the bf16 gradient reuses the fp32 gradient's
 // memory), and the triad's three arrays of T = max(N/2, 64M) floats, 12 T bytes: 64M floats
@@ -16,6 +19,7 @@
 // 4 GiB for the default N = 256M.
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -27,6 +31,7 @@
 #include <vector>
 
 #include "trainstream/adamw.hpp"
+#include "trainstream/adamw8bit.hpp"
 #include "trainstream/bandwidth.hpp"
 #include "trainstream/cpu_features.hpp"
 #include "trainstream/thread_pool.hpp"
@@ -38,6 +43,8 @@ namespace {
 constexpr double kBytesFp32Grad = 28.0;  // p r/w 8, g 4, m r/w 8, v r/w 8
 constexpr double kBytesBf16Grad = 26.0;  // p r/w 8, g 2, m r/w 8, v r/w 8
 constexpr double kBytesTermSaved = 4.0;   // term_only: p written, not read
+constexpr double kBytes8bitSaved = 12.0;  // 8-bit moments: codes r/w 4 instead of fp32 r/w 16
+constexpr double kBytesScales = 16.0 / kQuantBlock;  // two scales read and written a block
 
 struct Options {
   std::size_t params = std::size_t(1) << 28;
@@ -188,20 +195,61 @@ void write_bf16_grad(ThreadPool& pool, AdamWState& s, std::size_t n) {
   });
 }
 
+// The dynamic quantization map of torchao's (and bitsandbytes') 8-bit optimizers, built the same
+// way (7 exponent levels of linearly spaced fractions, then 0 and 1): the values the kernels'
+// tables are made for. The tests check the kernels against torchao's own map.
+std::vector<float> dynamic_qmap(bool is_signed) {
+  std::vector<float> map;
+  for (int level = 0; level < 7; ++level) {
+    const int items = is_signed ? (1 << level) + 1 : (1 << (level + 1)) + 1;
+    const double scale = std::pow(10.0, -6 + level);
+    for (int k = 0; k + 1 < items; ++k) {
+      const double lo = 0.1 + 0.9 * k / (items - 1), hi = 0.1 + 0.9 * (k + 1) / (items - 1);
+      map.push_back(static_cast<float>(scale * (lo + hi) / 2));
+      if (is_signed) map.push_back(static_cast<float>(-scale * (lo + hi) / 2));
+    }
+  }
+  map.push_back(0.0f);
+  map.push_back(1.0f);
+  while (map.size() < 256) map.push_back(0.0f);  // (the signed map's one spare code)
+  std::sort(map.begin(), map.end());
+  return map;
+}
+
+struct EightBitState {
+  std::unique_ptr<std::uint8_t[]> m_codes, v_codes;
+  Buffer m_scale, v_scale;
+  std::vector<float> signed_qmap = dynamic_qmap(true), unsigned_qmap = dynamic_qmap(false);
+};
+
+EightBitState make_8bit_state(ThreadPool& pool, std::size_t n) {
+  EightBitState s{std::unique_ptr<std::uint8_t[]>(new std::uint8_t[n]), std::unique_ptr<std::uint8_t[]>(new std::uint8_t[n]),
+                  alloc_floats(n / kQuantBlock), alloc_floats(n / kQuantBlock)};
+  for_chunks(pool, n, [&](std::size_t begin, std::size_t end) {
+    for (std::size_t i = begin; i < end; ++i) {
+      s.m_codes[i] = static_cast<std::uint8_t>(128 + 100 * hashed_unit(i, 0x7f4a7c15u));
+      s.v_codes[i] = static_cast<std::uint8_t>(128 + 127 * hashed_unit(i, 0x165667b1u));
+      if (i % kQuantBlock == 0) {
+        s.m_scale[i / kQuantBlock] = 1e-3f;
+        s.v_scale[i / kQuantBlock] = 1e-5f;
+      }
+    }
+  });
+  return s;
+}
+
 double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
-// Median wall time of `repeats` full-parameter steps, after one warm-up step.
-double median_step_seconds(HostAdamW& engine, const AdamWBuffers& buffers, int repeats) {
-  AdamWHyper hyper;
-  hyper.lr = 1e-4;
-  hyper.weight_decay = 0.01;
+// Median wall time of `repeats` full-parameter steps, after one warm-up step; step(n) runs the
+// n-th (1-based) step.
+template <typename Step>
+double median_seconds(int repeats, Step step) {
   std::vector<double> times;
   for (int r = 0; r <= repeats; ++r) {
-    hyper.step = r + 1;
     const auto t0 = std::chrono::steady_clock::now();
-    engine.step(buffers, hyper);
+    step(r + 1);
     if (r > 0) times.push_back(seconds_since(t0));
   }
   std::sort(times.begin(), times.end());
@@ -209,11 +257,33 @@ double median_step_seconds(HostAdamW& engine, const AdamWBuffers& buffers, int r
   return times.size() % 2 ? times[mid] : 0.5 * (times[mid - 1] + times[mid]);
 }
 
+double median_step_seconds(HostAdamW& engine, const AdamWBuffers& buffers, int repeats) {
+  AdamWHyper hyper;
+  hyper.lr = 1e-4;
+  hyper.weight_decay = 0.01;
+  return median_seconds(repeats, [&](int step) {
+    hyper.step = step;
+    engine.step(buffers, hyper);
+  });
+}
+
+double median_8bit_step_seconds(HostAdamW& engine, const AdamW8bitBuffers& buffers, int repeats) {
+  AdamW8bitHyper hyper;
+  hyper.lr = 1e-4f;
+  hyper.weight_decay = 0.01;
+  return median_seconds(repeats, [&](int step) {
+    hyper.step = step;
+    adamw8bit_step(engine.pool(), buffers, hyper, engine.isa());
+  });
+}
+
 struct Row {
   std::string isa;
   std::size_t threads;
   std::string grad;
-  std::string output;  // "weights" (p updated in place), "term" (term_only) or "next" (term, moments out of place)
+  // "weights" (p updated in place), "term" (term_only), "next" (term, moments out of place) or
+  // "8bit" (p updated in place, blockwise 8-bit moments)
+  std::string output;
   double bytes_per_param;
   double ns_per_param;
   double gbps;
@@ -342,6 +412,23 @@ int run(const Options& o) {
     buffers.numel = n;
     // "next" writes the moments here (touched first by the untimed warm-up step)
     Buffer next_exp_avg = alloc_floats(n), next_exp_avg_sq = alloc_floats(n);
+    const std::size_t n8 = n / kQuantBlock * kQuantBlock;
+    EightBitState compact = make_8bit_state(engines.front()->pool(), n8);
+    AdamW8bitBuffers buffers8;
+    buffers8.param = state.param.get();
+    buffers8.grad = state.grad.get();
+    buffers8.exp_avg = {compact.m_codes.get(), compact.m_scale.get()};
+    buffers8.exp_avg_sq = {compact.v_codes.get(), compact.v_scale.get()};
+    buffers8.signed_qmap = compact.signed_qmap.data();
+    buffers8.unsigned_qmap = compact.unsigned_qmap.data();
+    buffers8.numel = n8;
+    const auto report = [&](Row r) {
+      std::printf("%-7s %7zu %5s %8s %8.1f %10.4f %9.1f %11.1f %6.0f%%\n", r.isa.c_str(), r.threads, r.grad.c_str(),
+                  r.output.c_str(), r.bytes_per_param, r.ns_per_param, r.gbps, r.triad_gbps,
+                  100.0 * r.gbps / r.triad_gbps);
+      std::fflush(stdout);
+      rows.push_back(r);
+    };
 
     for (DType grad_dtype : {DType::float32, DType::bfloat16}) {
       if (grad_dtype == DType::bfloat16) write_bf16_grad(engines.front()->pool(), state, n);
@@ -356,14 +443,17 @@ int run(const Options& o) {
             (grad_dtype == DType::float32 ? kBytesFp32Grad : kBytesBf16Grad) - (term ? kBytesTermSaved : 0.0);
         for (auto& engine : engines) {
           const double seconds = median_step_seconds(*engine, buffers, o.repeats);
-          Row r{isa_name(engine->isa()), threads, grad_dtype == DType::float32 ? "fp32" : "bf16", output,
-                bytes, seconds * 1e9 / n, bytes * n / seconds / 1e9, triad_gbps};
-          std::printf("%-7s %7zu %5s %8s %8.0f %10.4f %9.1f %11.1f %6.0f%%\n", r.isa.c_str(), r.threads,
-                      r.grad.c_str(), r.output.c_str(), r.bytes_per_param, r.ns_per_param, r.gbps,
-                      r.triad_gbps, 100.0 * r.gbps / r.triad_gbps);
-          std::fflush(stdout);
-          rows.push_back(r);
+          report({isa_name(engine->isa()), threads, grad_dtype == DType::float32 ? "fp32" : "bf16", output, bytes,
+                  seconds * 1e9 / n, bytes * n / seconds / 1e9, triad_gbps});
         }
+      }
+      buffers8.grad_dtype = grad_dtype;
+      const double bytes =
+          (grad_dtype == DType::float32 ? kBytesFp32Grad : kBytesBf16Grad) - kBytes8bitSaved + kBytesScales;
+      for (auto& engine : engines) {
+        const double seconds = median_8bit_step_seconds(*engine, buffers8, o.repeats);
+        report({isa_name(engine->isa()), threads, grad_dtype == DType::float32 ? "fp32" : "bf16", "8bit", bytes,
+                seconds * 1e9 / n8, bytes * n8 / seconds / 1e9, triad_gbps});
       }
     }
   }

@@ -52,7 +52,7 @@ void bind_adamw(py::module_& m) {
         b.numel = numel;
         const AdamW8bitHyper hyper{lr, beta1, beta2, eps, weight_decay, step, grad_scale};
         py::gil_scoped_release release;
-        adamw8bit_step(self.pool(), b, hyper);
+        adamw8bit_step(self.pool(), b, hyper, self.isa());
       },
       py::arg("param"), py::arg("grad"), py::arg("grad_dtype"), py::arg("exp_avg_codes"),
       py::arg("exp_avg_scale"), py::arg("exp_avg_sq_codes"), py::arg("exp_avg_sq_scale"), py::arg("signed_qmap"),

@@ -37,9 +37,9 @@ def _state(numel):
 
 @pytest.mark.parametrize("numel", [256, 4096, 3 * 65536 + 768])
 @pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
-def test_eight_bit_updates_match_torchao_bit_for_bit(numel, grad_dtype):
+def test_eight_bit_updates_match_torchao_bit_for_bit(numel, grad_dtype, isa):
     torch.manual_seed(0)
-    engine = _C.HostAdamW(threads=2)
+    engine = _C.HostAdamW(threads=2, isa=isa)
     p_ref = torch.randn(numel)
     p_ours = p_ref.clone()
     (m_ref, v_ref), (m_ours, v_ours) = _state(numel), _state(numel)
@@ -60,10 +60,10 @@ def test_eight_bit_updates_match_torchao_bit_for_bit(numel, grad_dtype):
             assert torch.equal(ours.codes, ref.codes) and torch.equal(ours.scale, ref.scale), f"state at step {step}"
 
 
-def test_a_gradient_scale_is_the_clip_coefficient_applied_first():
+def test_a_gradient_scale_is_the_clip_coefficient_applied_first(isa):
     torch.manual_seed(1)
     numel, coef = 8192, 0.37
-    engine = _C.HostAdamW(threads=2)
+    engine = _C.HostAdamW(threads=2, isa=isa)
     g = torch.randn(numel)
     p_ref = torch.randn(numel)
     p_ours = p_ref.clone()
@@ -73,6 +73,57 @@ def test_a_gradient_scale_is_the_clip_coefficient_applied_first():
     _engine_step(engine, p_ours, g, m_ours, v_ours, 1, **hyper, grad_scale=coef)
     assert torch.equal(p_ours, p_ref)
     assert torch.equal(m_ours.codes, m_ref.codes)
+
+
+def _edges(qmap: torch.Tensor) -> torch.Tensor:
+    """Every value of a map, the midpoints between neighbours and the floats either side of
+    each: where a quantizer that is off by one code shows it."""
+    inf = torch.tensor(float("inf"))
+    mids = (qmap[:-1] + qmap[1:]) / 2
+    points = torch.cat([qmap, mids])
+    return torch.cat([points, torch.nextafter(points, inf), torch.nextafter(points, -inf),
+                      torch.tensor([0.0, -0.0, 1e-30, -1e-30, 1e-9, 3e-38])]).clamp(-1, 1)
+
+
+def test_every_kernel_quantizes_at_the_edges_of_the_map_as_torchao_does(isa):
+    """With beta1 = beta2 = 0 the new moments are the gradient and its square, so a gradient made
+    of the map's values, midpoints and their neighbours (with 1.0 in each block, its scale)
+    quantizes exactly those values; zero and non-finite blocks beside them."""
+    m, v = _state(256)
+    values = _edges(m.qmap)
+    numel = (values.numel() // 255 + 1) * 256
+    g = torch.zeros(numel)
+    body = g.view(-1, 256)
+    body[:, 0] = 1.0
+    flat = body[:, 1:].reshape(-1)
+    flat[:values.numel()] = values
+    body[:, 1:] = flat.view(-1, 255)
+    g = torch.cat([g, torch.zeros(256), torch.full((256,), 1e-20)])  # a zero block, a tiny one
+    p_ref = torch.randn(g.numel())
+    p_ours = p_ref.clone()
+    (m_ref, v_ref), (m_ours, v_ours) = _state(g.numel()), _state(g.numel())
+    hyper = dict(lr=1e-3, beta1=0.0, beta2=0.0, eps=1e-8, wd=0.0)
+    _reference_step(p_ref, g, m_ref, v_ref, 1, **hyper)
+    _engine_step(_C.HostAdamW(threads=2, isa=isa), p_ours, g, m_ours, v_ours, 1, **hyper)
+    for ours, ref in ((m_ours, m_ref), (v_ours, v_ref)):
+        assert torch.equal(ours.scale, ref.scale)
+        assert torch.equal(ours.codes, ref.codes), (ours.codes != ref.codes).nonzero()[:5]
+    assert torch.equal(p_ours, p_ref)
+
+
+def test_non_finite_gradients_quantize_as_the_scalar_kernel_does(isa):
+    torch.manual_seed(2)
+    g = torch.randn(1024)
+    g[3], g[300], g[600], g[601] = float("nan"), float("inf"), float("-inf"), float("nan")
+    runs = []
+    for kernel in ("scalar", isa):
+        p = torch.ones(1024)
+        m, v = _state(1024)
+        _engine_step(_C.HostAdamW(threads=1, isa=kernel), p, g, m, v, 1, lr=1e-3, beta1=0.9, beta2=0.99,
+                     eps=1e-8, wd=0.0)
+        runs.append((p, m.codes, m.scale, v.codes, v.scale))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b) or torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
 
 
 def test_sizes_that_are_not_whole_blocks_are_refused():

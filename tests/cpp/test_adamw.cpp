@@ -216,7 +216,7 @@ TEST_CASE("8-bit codes are the nearest value of the map, ties up, and blocks mus
   b.exp_avg = b.exp_avg_sq = {codes.data(), scale.data()};
   b.signed_qmap = b.unsigned_qmap = qmap;
   b.numel = 300;
-  CHECK_THROWS_AS(adamw8bit_step(pool, b, AdamW8bitHyper{}), std::invalid_argument);
+  CHECK_THROWS_AS(adamw8bit_step(pool, b, AdamW8bitHyper{}, Isa::scalar), std::invalid_argument);
 }
 
 TEST_CASE("every supported vector kernel matches the scalar kernel bit for bit") {

@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "trainstream/adamw.hpp"
+#include "trainstream/cpu_features.hpp"
 #include "trainstream/thread_pool.hpp"
 
 namespace trainstream {
@@ -47,7 +48,8 @@ struct AdamW8bitHyper {
 // search for the last value <= x, then a step up where x lies at least halfway to the next.
 std::uint8_t quantize_with_qmap(float x, const float* qmap);
 
-// Validates (std::invalid_argument) and runs one update over the pool, whole blocks per task.
-void adamw8bit_step(ThreadPool& pool, const AdamW8bitBuffers& buffers, const AdamW8bitHyper& hyper);
+// Validates (std::invalid_argument) and runs one update over the pool, whole blocks per task, with
+// the kernel for `isa` (the caller's choice: select_isa()). Every kernel gives the same bits.
+void adamw8bit_step(ThreadPool& pool, const AdamW8bitBuffers& buffers, const AdamW8bitHyper& hyper, Isa isa);
 
 }  // namespace trainstream

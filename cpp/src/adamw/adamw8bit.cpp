@@ -1,12 +1,18 @@
-// Blockwise 8-bit AdamW, scalar. Built with -ffp-contract=off: every rounding is one torchao's
+// Blockwise 8-bit AdamW: validation, dispatch, the quantization tables and the scalar kernel. Built with -ffp-contract=off: every rounding is one torchao's
 // eager ops make (lerp's fused multiply-add included, as torch's CPU kernel computes it), but
 // for the square root: ours is correctly rounded, torch's vectorised CPU sqrt not always.
 #include "trainstream/adamw8bit.hpp"
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <mutex>
 #include <string>
+#include <vector>
 
+#include "adamw8bit_kernels.hpp"
 #include "trainstream/errors.hpp"
 
 namespace trainstream {
@@ -19,13 +25,75 @@ std::uint8_t quantize_with_qmap(float x, const float* qmap) {
   return static_cast<std::uint8_t>(x - down_value >= (qmap[up] - down_value) * 0.5f ? up : code);
 }
 
+namespace eight_bit {
+
 namespace {
 
-struct Coeffs {
-  float lr, lr_wd, bc1, bc2_sqrt, eps, grad_scale;
-  float m_coeff, v_coeff;  // lerp weights as fma coefficients (see AdamWCoeffs::lerp_coeff)
-  bool m_from_start, v_from_start;
-};
+std::int64_t to_order(float x) {
+  std::int32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  return QuantTable::order(bits);
+}
+
+float from_order(std::int64_t o) {
+  const auto u = static_cast<std::int32_t>(o);
+  const std::int32_t bits = u ^ ((u >> 31) & 0x7fffffff);  // (order() is its own inverse)
+  float x;
+  std::memcpy(&x, &bits, sizeof x);
+  return x;
+}
+
+}  // namespace
+
+QuantTable::QuantTable(const float* qmap) {
+  std::memcpy(map, qmap, sizeof map);
+  const std::int64_t top = QuantTable::order(0x3f800000);  // order(1.0f)
+  for (unsigned i = 0; i < 255; ++i) {  // t_i: the least x in (map[i], map[i+1]] that rounds up
+    std::int64_t lo = to_order(qmap[i]), hi = to_order(qmap[i + 1]);
+    while (lo + 1 < hi) {  // quantize_with_qmap(from_order(lo)) == i, (hi) == i + 1
+      const std::int64_t mid = lo + (hi - lo) / 2;
+      (quantize_with_qmap(from_order(mid), qmap) > i ? hi : lo) = mid;
+    }
+    thresholds[i] = from_order(hi);
+  }
+  for (std::size_t i = 255; i < sizeof thresholds / sizeof thresholds[0]; ++i) {
+    thresholds[i] = std::numeric_limits<float>::infinity();
+  }
+  for (int level = 0; level < 8; ++level) {
+    const unsigned step = 128u >> level;
+    for (unsigned k = 0; k < 128; ++k) levels[level][k] = k < 128 / step ? thresholds[step - 1 + k * 2 * step] : 0.0f;
+  }
+  const auto count = [this](float x) {
+    return static_cast<int>(std::upper_bound(thresholds, thresholds + 255, x) - thresholds);
+  };
+  for (std::uint32_t cell = 0; cell < kCells; ++cell) {
+    const std::int64_t lo = kOrigin + (std::int64_t(cell) << kShift);
+    const std::int64_t hi = std::min(top, lo + (std::int64_t(1) << kShift) - 1);
+    const int first = count(from_order(lo));
+    start[cell] = static_cast<std::uint8_t>(first);
+    steps = std::max(steps, count(from_order(hi)) - first);
+  }
+  std::memset(start + kCells, 0, sizeof start - kCells);
+}
+
+const QuantTable& quant_table(const float* qmap) {
+  static std::mutex mutex;
+  static std::vector<std::unique_ptr<QuantTable>> tables;
+  std::lock_guard<std::mutex> lock(mutex);
+  for (const auto& t : tables) {
+    if (std::memcmp(t->map, qmap, 256 * sizeof(float)) == 0) return *t;
+  }
+  TS_EXPECTS(std::is_sorted(qmap, qmap + 256) && qmap[0] >= -1.0f && qmap[255] <= 1.0f,
+             "AdamW8bit: a quantization map holds 256 ascending values in [-1, 1]");
+  tables.push_back(std::make_unique<QuantTable>(qmap));
+  return *tables.back();
+}
+
+}  // namespace eight_bit
+
+namespace {
+
+using eight_bit::Coeffs;
 
 // torch.lerp with a scalar weight w, as its CPU kernel rounds it.
 inline float lerp(float start, float end, float coeff, bool from_start) {
@@ -64,7 +132,8 @@ void store_block(const float* values, Quantized q, std::size_t b, const float* q
   for (std::size_t i = 0; i < kQuantBlock; ++i) q.codes[b * kQuantBlock + i] = quantize_with_qmap(values[i] / scale, qmap);
 }
 
-void update_blocks(const AdamW8bitBuffers& buf, const Coeffs& c, std::size_t first, std::size_t last) {
+void update_blocks(const AdamW8bitBuffers& buf, const Coeffs& c, const eight_bit::QuantTable&,
+                   const eight_bit::QuantTable&, std::size_t first, std::size_t last) {
   const float* g32 = static_cast<const float*>(buf.grad);
   const auto* g16 = static_cast<const std::uint16_t*>(buf.grad);
   float m[kQuantBlock], v[kQuantBlock];
@@ -88,7 +157,7 @@ void update_blocks(const AdamW8bitBuffers& buf, const Coeffs& c, std::size_t fir
 
 }  // namespace
 
-void adamw8bit_step(ThreadPool& pool, const AdamW8bitBuffers& buf, const AdamW8bitHyper& hyper) {
+void adamw8bit_step(ThreadPool& pool, const AdamW8bitBuffers& buf, const AdamW8bitHyper& hyper, Isa isa) {
   TS_EXPECTS(buf.numel > 0 && buf.numel % kQuantBlock == 0,
              "AdamW8bit: numel must be a positive multiple of " + std::to_string(kQuantBlock) + ", got " +
                  std::to_string(buf.numel));
@@ -98,11 +167,16 @@ void adamw8bit_step(ThreadPool& pool, const AdamW8bitBuffers& buf, const AdamW8b
   TS_EXPECTS(buf.grad_dtype == DType::float32 || buf.grad_dtype == DType::bfloat16,
              "AdamW8bit: gradient dtype must be float32 or bfloat16");
   const Coeffs c = coeffs(hyper);
+  const eight_bit::QuantTable& signed_table = eight_bit::quant_table(buf.signed_qmap);
+  const eight_bit::QuantTable& unsigned_table = eight_bit::quant_table(buf.unsigned_qmap);
+  const eight_bit::Kernel kernel = isa == Isa::avx512 ? eight_bit::blocks_avx512
+                                   : isa == Isa::avx2 ? eight_bit::blocks_avx2
+                                                      : update_blocks;
   const std::size_t blocks = buf.numel / kQuantBlock;
   const std::size_t per_task = chunk_elements(buf.numel, pool.size()) / kQuantBlock;  // whole blocks
   const std::size_t tasks = (blocks + per_task - 1) / per_task;
   pool.parallel_for(tasks, [&](std::size_t t) {
-    update_blocks(buf, c, t * per_task, std::min(blocks, (t + 1) * per_task));
+    kernel(buf, c, signed_table, unsigned_table, t * per_task, std::min(blocks, (t + 1) * per_task));
   });
 }
 

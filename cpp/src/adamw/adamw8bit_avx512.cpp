@@ -1,0 +1,121 @@
+// Blockwise 8-bit AdamW with AVX-512 (F/BW/VL), 16 lanes: adamw8bit_avx2.cpp's arithmetic and
+// table-driven quantization, rounding for rounding. Built with -mavx512f -mavx512bw -mavx512vl
+// -ffp-contract=off; only called when CPUID says so.
+#include <immintrin.h>
+
+#include <algorithm>
+
+#include "adamw8bit_kernels.hpp"
+
+namespace trainstream::eight_bit {
+
+namespace {
+
+inline __m512 load_grad(const AdamW8bitBuffers& b, std::size_t i) {
+  if (b.grad_dtype == DType::bfloat16) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const std::uint16_t*>(b.grad) + i));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+  return _mm512_loadu_ps(static_cast<const float*>(b.grad) + i);
+}
+
+inline __m512i load_codes(const std::uint8_t* at) {
+  return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at)));
+}
+
+inline __m512 absolute(__m512 x) {
+  return _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(0x7fffffff)));
+}
+
+// Sixteen of a table's 256 floats, by index, from registers (a gather is slower: it reads
+// memory a lane at a time): eight 32-entry lookups, then the index's top three bits choose.
+inline __m512 lookup256(const float* table, __m512i index) {
+  __m512 part[8];
+  for (int k = 0; k < 8; ++k) {
+    part[k] = _mm512_permutex2var_ps(_mm512_load_ps(table + 32 * k), index, _mm512_load_ps(table + 32 * k + 16));
+  }
+  for (int bit = 5, width = 8; bit < 8; ++bit, width /= 2) {
+    const __mmask16 high = _mm512_test_epi32_mask(index, _mm512_set1_epi32(1 << bit));
+    for (int k = 0; k < width / 2; ++k) part[k] = _mm512_mask_blend_ps(high, part[2 * k], part[2 * k + 1]);
+  }
+  return part[0];
+}
+
+// The threshold each lane compares with at one level of the search: t[s - 1 + k * 2s] for its k.
+inline __m512 level_bound(const float* at, int level, __m512i k) {
+  if (level < 5) return _mm512_permutexvar_ps(k, _mm512_load_ps(at));  // up to 16: one register
+  const __m512 low = _mm512_permutex2var_ps(_mm512_load_ps(at), k, _mm512_load_ps(at + 16));
+  if (level == 5) return low;
+  const __mmask16 b5 = _mm512_test_epi32_mask(k, _mm512_set1_epi32(32));
+  const __m512 lower = _mm512_mask_blend_ps(b5, low, _mm512_permutex2var_ps(_mm512_load_ps(at + 32), k, _mm512_load_ps(at + 48)));
+  if (level == 6) return lower;
+  const __m512 upper = _mm512_mask_blend_ps(b5, _mm512_permutex2var_ps(_mm512_load_ps(at + 64), k, _mm512_load_ps(at + 80)),
+                                            _mm512_permutex2var_ps(_mm512_load_ps(at + 96), k, _mm512_load_ps(at + 112)));
+  return _mm512_mask_blend_ps(_mm512_test_epi32_mask(k, _mm512_set1_epi32(64)), lower, upper);
+}
+
+constexpr int kAtOnce = 2;  // vectors searched side by side: each level waits on the one before
+
+// Requantizes one block's new moment values into `q` at block `b` (as store_block does): each
+// code is the count of thresholds at or below its value, found by a binary search whose levels
+// sit in registers (NaN compares false at every level: code 0).
+inline void store_block(const float* values, __m512 amax, Quantized q, std::size_t b, const QuantTable& t) {
+  const float scale_value = std::max(_mm512_reduce_max_ps(amax), 1e-12f);
+  q.scale[b] = scale_value;
+  const __m512 scale = _mm512_set1_ps(scale_value);
+  for (std::size_t i = 0; i < kQuantBlock; i += 16 * kAtOnce) {
+    __m512 x[kAtOnce];
+    __m512i code[kAtOnce];
+    for (int j = 0; j < kAtOnce; ++j) {
+      x[j] = _mm512_div_ps(_mm512_load_ps(values + i + 16 * j), scale);
+      code[j] = _mm512_setzero_si512();
+    }
+    for (int level = 0; level < 8; ++level) {
+      const __m512i step = _mm512_set1_epi32(128 >> level);
+      for (int j = 0; j < kAtOnce; ++j) {
+        const __m512 bound = level_bound(t.levels[level], level, _mm512_srli_epi32(code[j], 8 - level));
+        code[j] = _mm512_mask_add_epi32(code[j], _mm512_cmp_ps_mask(bound, x[j], _CMP_LE_OQ), code[j], step);
+      }
+    }
+    for (int j = 0; j < kAtOnce; ++j) {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q.codes + b * kQuantBlock + i + 16 * j), _mm512_cvtepi32_epi8(code[j]));
+    }
+  }
+}
+
+}  // namespace
+
+void blocks_avx512(const AdamW8bitBuffers& buf, const Coeffs& c, const QuantTable& signed_table,
+                   const QuantTable& unsigned_table, std::size_t first, std::size_t last) {
+  const __m512 grad_scale = _mm512_set1_ps(c.grad_scale), lr = _mm512_set1_ps(c.lr), lr_wd = _mm512_set1_ps(c.lr_wd);
+  const __m512 bc1 = _mm512_set1_ps(c.bc1), bc2_sqrt = _mm512_set1_ps(c.bc2_sqrt), eps = _mm512_set1_ps(c.eps);
+  const __m512 m_coeff = _mm512_set1_ps(c.m_coeff), v_coeff = _mm512_set1_ps(c.v_coeff);
+  alignas(64) float m[kQuantBlock], v[kQuantBlock];
+  for (std::size_t b = first; b < last; ++b) {
+    const std::size_t at = b * kQuantBlock;
+    const __m512 m_scale = _mm512_set1_ps(buf.exp_avg.scale[b]), v_scale = _mm512_set1_ps(buf.exp_avg_sq.scale[b]);
+    __m512 m_max = _mm512_setzero_ps(), v_max = _mm512_setzero_ps();
+    for (std::size_t i = 0; i < kQuantBlock; i += 16) {
+      const std::size_t e = at + i;
+      const __m512 g = _mm512_mul_ps(load_grad(buf, e), grad_scale);
+      const __m512 m0 = _mm512_mul_ps(lookup256(signed_table.map, load_codes(buf.exp_avg.codes + e)), m_scale);
+      const __m512 v0 = _mm512_mul_ps(lookup256(unsigned_table.map, load_codes(buf.exp_avg_sq.codes + e)), v_scale);
+      const __m512 g2 = _mm512_mul_ps(g, g);
+      const __m512 m1 = _mm512_fmadd_ps(m_coeff, _mm512_sub_ps(g, m0), c.m_from_start ? m0 : g);
+      const __m512 v1 = _mm512_fmadd_ps(v_coeff, _mm512_sub_ps(g2, v0), c.v_from_start ? v0 : g2);
+      _mm512_store_ps(m + i, m1);
+      _mm512_store_ps(v + i, v1);
+      m_max = _mm512_max_ps(absolute(m1), m_max);  // (a NaN is skipped, as std::max skips it)
+      v_max = _mm512_max_ps(absolute(v1), v_max);
+      const __m512 p = _mm512_loadu_ps(buf.param + e);
+      const __m512 decayed = _mm512_sub_ps(p, _mm512_mul_ps(lr_wd, p));
+      const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v1), bc2_sqrt), eps);
+      const __m512 step = _mm512_div_ps(_mm512_mul_ps(lr, _mm512_div_ps(m1, bc1)), denom);
+      _mm512_storeu_ps(buf.param + e, _mm512_sub_ps(decayed, step));
+    }
+    store_block(m, m_max, buf.exp_avg, b, signed_table);
+    store_block(v, v_max, buf.exp_avg_sq, b, unsigned_table);
+  }
+}
+
+}  // namespace trainstream::eight_bit

@@ -1,0 +1,52 @@
+// The blockwise 8-bit AdamW kernels' shared pieces: the per-call constants and the lookup that
+// lets vector code quantize without a binary search. Internal to cpp/src/adamw/.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "trainstream/adamw8bit.hpp"
+
+namespace trainstream::eight_bit {
+
+struct Coeffs {
+  float lr, lr_wd, bc1, bc2_sqrt, eps, grad_scale;
+  float m_coeff, v_coeff;  // lerp weights as fma coefficients (see AdamWCoeffs::lerp_coeff)
+  bool m_from_start, v_from_start;
+};
+
+// Quantizing x in [-1, 1] (or NaN) to the code quantize_with_qmap() picks, without its search.
+// That code is the number of thresholds t_0 < ... < t_254 at or below x, t_i being the least
+// float from which the search rounds code i up (t_i in (map[i], map[i+1]]; NaN counts none). A
+// table indexed by x's position in float order gives the count at its cell's lowest float; at
+// most `steps` more thresholds lie in a cell, each one comparison away.
+struct QuantTable {
+  static constexpr int kShift = 16;  // float-order positions per cell: 2^16 (1/128 of a binade)
+  static constexpr std::int32_t kOrigin = -1065353217;  // order(-1.0f)
+  static constexpr std::uint32_t kCells = ((std::uint32_t(0x7f000000) + 1) >> kShift) + 1;
+  // Float bits to a signed integer of the same order (-0 just below +0).
+  static std::int32_t order(std::int32_t bits) { return bits ^ ((bits >> 31) & 0x7fffffff); }
+
+  alignas(64) float thresholds[264];  // t_0..t_254, then +inf (never <= x)
+  // The same thresholds laid out for a binary search held in vector registers: level l (step
+  // s = 128 >> l) holds t[s - 1 + k * 2s] for k < 128 / s, from levels[l][0].
+  alignas(64) float levels[8][128];
+  alignas(64) float map[256];         // the map it was made for
+  alignas(64) std::uint8_t start[kCells + 4];  // (+4: vector code gathers 32 bits at a cell)
+  int steps = 0;
+
+  explicit QuantTable(const float* qmap);
+};
+
+// The table for this map (built on first use; a few distinct maps are ever seen).
+const QuantTable& quant_table(const float* qmap);
+
+// Updates blocks [first, last) (kQuantBlock elements each).
+using Kernel = void (*)(const AdamW8bitBuffers&, const Coeffs&, const QuantTable& signed_table,
+                        const QuantTable& unsigned_table, std::size_t first, std::size_t last);
+void blocks_avx2(const AdamW8bitBuffers&, const Coeffs&, const QuantTable&, const QuantTable&, std::size_t,
+                 std::size_t);
+void blocks_avx512(const AdamW8bitBuffers&, const Coeffs&, const QuantTable&, const QuantTable&, std::size_t,
+                   std::size_t);
+
+}  // namespace trainstream::eight_bit
