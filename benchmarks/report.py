@@ -276,7 +276,8 @@ def adamw_vs_torch(results: Path) -> str:
 
 
 ENGINE_OUTPUTS = {"weights": "new weights", "term": "update term",
-                  "next": "update term, new moments into a second set (a speculated update)"}
+                  "next": "update term, new moments into a second set (a speculated update)",
+                  "8bit": "new weights, blockwise 8-bit moments (torchao's AdamW8bit)"}
 
 
 def engine_outputs(name: str):
@@ -288,6 +289,26 @@ def engine_outputs(name: str):
                 for x in r["rows"]]
         return "\n\n".join([markdown_table(["gradients", "host writes", "bytes/param", "ns/param", "GB/s", "triad GB/s"],
                                            rows), caption([("", r)])])
+    return render
+
+
+def engine_8bit(name: str):
+    """bench_host_adamw: the blockwise 8-bit update beside the exact one, by ISA and threads, in
+    parameters a second against the exact update of the same gradients, ISA and threads."""
+    def render(results: Path) -> str:
+        r = load(results, name)
+        exact = {(x["isa"], x["threads"], x["grad"]): x["ns_per_param"] for x in r["rows"] if x["output"] == "weights"}
+        rows = []
+        for x in r["rows"]:
+            if x["output"] not in ("weights", "8bit"):
+                continue
+            ratio = exact.get((x["isa"], x["threads"], x["grad"]))
+            rows.append([x["isa"], str(x["threads"]), x["grad"], "8-bit" if x["output"] == "8bit" else "exact",
+                         f"{x['bytes_per_param']:.1f}", f"{x['ns_per_param']:.4f}", f"{x['GBps']:.0f}",
+                         f"{100 * x['GBps'] / x['triad_GBps']:.0f}%", f"{ratio / x['ns_per_param']:.2f}x" if ratio else "-"])
+        columns = ["ISA", "threads", "gradients", "moments", "bytes/param", "ns/param", "GB/s", "of the triad",
+                   "params/s vs exact"]
+        return "\n\n".join([markdown_table(columns, rows), caption([("", r)])])
     return render
 
 
@@ -326,6 +347,32 @@ def runs(name: str):
                 [[label_of(record, m["mode"]), str(m["runs"]), s(m["median_s"]), f"{s(m['min_s'])} - {s(m['max_s'])}",
                   f"{m['median_s'] / first:.2f}x"] for m in summary]))
         return "\n\n".join([intro, *tables, caption([("", record)])])
+    return render
+
+
+def host_memory(name: str):
+    """train_step.py runs with what each took of host memory: the process's resident set at the
+    end, and what TrainStream itself held by role (report()["host_budget"]["held_bytes"])."""
+    def render(results: Path) -> str:
+        record = load(results, name)
+        done = [r for r in record["results"] if r.get("step_s") is not None]
+        base = next((r["step_s"] for r in done if r["mode"] == "gpu-adamw"), None)
+        rows = []
+        for r in record["results"]:
+            held = (r.get("report") or {}).get("host_budget", {}).get("held_bytes")
+            parts = "-" if held is None else ", ".join(
+                f"{role.replace('_', ' ')} {value / 1e9:.2f}" for role, value in held.items() if value) or "none"
+            step = r.get("step_s")
+            rows.append([label_of(record, r["mode"]), s(step) if step else r.get("error") or "-",
+                         f"{step / base:.2f}x" if step and base else "-", gb(r.get("peak_vram_GB")),
+                         gb(r.get("host_rss_GB")), parts])
+        params = next((r["params"] for r in record["results"] if r.get("params")), None)
+        cap = record["args"].get("vram_cap_gb")
+        intro = (f"{model_words(record['args'], params)}, accumulation {record['args']['acc']}, "
+                 f"{'a ' + format(cap, 'g') + ' GB VRAM cap' if cap else 'no VRAM cap'}.")
+        table = markdown_table(["mode", "step", "vs GPU AdamW", "peak VRAM", "process RSS",
+                                "TrainStream holds on the host (GB)"], rows)
+        return "\n\n".join([intro, table, caption([("", record)])])
     return render
 
 
@@ -570,6 +617,9 @@ TABLES = {
     "clipping_never_one_commit_four_rounds": runs("clipping_never_one_commit_four_rounds"),
     "clipping_regimes_one_commit": runs("clipping_regimes_one_commit"),
     "host_calls_one_commit": host_calls("host_calls_one_commit"),
+    "host_memory_uncapped": host_memory("host_memory_uncapped"),
+    "engine_8bit": engine_8bit("engine_8bit"),
+    "host_memory_vocab152k_16gb": host_memory("host_memory_vocab152k_16gb"),
 }
 
 # figure -> results file: train_step.py runs drawn as step time and peak VRAM bars

@@ -219,6 +219,66 @@ TEST_CASE("8-bit codes are the nearest value of the map, ties up, and blocks mus
   CHECK_THROWS_AS(adamw8bit_step(pool, b, AdamW8bitHyper{}, Isa::scalar), std::invalid_argument);
 }
 
+TEST_CASE("every 8-bit kernel encodes as the scalar search does, on maps of any spacing") {
+  // With beta1 = beta2 = 0 the new moments are the gradient and its square; each block holds a
+  // 1.0 (its scale), the map's values, midpoints and the floats either side, and noise.
+  std::uint32_t seed = 7;
+  const auto noise = [&seed] {
+    seed = seed * 1664525u + 1013904223u;
+    return static_cast<float>(seed >> 8) / 8388608.0f - 1.0f;
+  };
+  // evenly spaced, ever denser near 0, and (power 0) all in [0.5, 1]: several values a table cell
+  for (float power : {1.0f, 3.0f, 6.0f, 0.0f}) {
+    std::vector<float> map(256), unsigned_map(256);
+    for (int i = 0; i < 256; ++i) {
+      const float u = -1.0f + 2.0f * static_cast<float>(i) / 255.0f, w = static_cast<float>(i) / 255.0f;
+      map[i] = power == 0.0f ? 0.5f + 0.5f * w : std::copysign(std::pow(std::fabs(u), power), u);
+      unsigned_map[i] = power == 0.0f ? 0.5f + 0.5f * w : std::pow(w, power);
+    }
+    std::vector<float> grad;
+    for (int i = 0; i < 256; ++i) {
+      for (float x : {map[i], i < 255 ? 0.5f * (map[i] + map[i + 1]) : map[i]}) {
+        grad.insert(grad.end(), {x, std::nextafter(x, 2.0f), std::nextafter(x, -2.0f)});
+      }
+    }
+    while (grad.size() % 255 != 0) grad.push_back(noise());
+    std::vector<float> g;
+    for (std::size_t i = 0; i < grad.size(); i += 255) {
+      g.push_back(1.0f);
+      g.insert(g.end(), grad.begin() + i, grad.begin() + i + 255);
+    }
+    for (int i = 0; i < 4 * 256; ++i) g.push_back(i < 256 ? 0.0f : 1e-3f * noise());
+    const std::size_t n = g.size(), blocks = n / kQuantBlock;
+    const auto run = [&](Isa isa) {
+      std::vector<float> param(n, 0.5f), scales(2 * blocks, 1.0f);
+      std::vector<std::uint8_t> codes(2 * n, 128);
+      AdamW8bitBuffers b;
+      b.param = param.data();
+      b.grad = g.data();
+      b.exp_avg = {codes.data(), scales.data()};
+      b.exp_avg_sq = {codes.data() + n, scales.data() + blocks};
+      b.signed_qmap = map.data();
+      b.unsigned_qmap = unsigned_map.data();
+      b.numel = n;
+      AdamW8bitHyper h;
+      h.beta1 = h.beta2 = 0.0;
+      ThreadPool pool(2);
+      adamw8bit_step(pool, b, h, isa);
+      return std::make_pair(codes, param);
+    };
+    const auto want = run(Isa::scalar);
+    for (Isa isa : kVectorIsas) {
+      if (!isa_supported(isa)) {
+        skip(std::string(isa_name(isa)) + " 8-bit vs scalar", "this CPU lacks it");
+        continue;
+      }
+      const auto got = run(isa);
+      CHECK(got.first == want.first);
+      CHECK(std::memcmp(got.second.data(), want.second.data(), 4 * n) == 0);
+    }
+  }
+}
+
 TEST_CASE("every supported vector kernel matches the scalar kernel bit for bit") {
   for (Isa isa : kVectorIsas) {
     if (!isa_supported(isa)) {

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <mutex>
@@ -83,8 +84,9 @@ const QuantTable& quant_table(const float* qmap) {
   for (const auto& t : tables) {
     if (std::memcmp(t->map, qmap, 256 * sizeof(float)) == 0) return *t;
   }
-  TS_EXPECTS(std::is_sorted(qmap, qmap + 256) && qmap[0] >= -1.0f && qmap[255] <= 1.0f,
-             "AdamW8bit: a quantization map holds 256 ascending values in [-1, 1]");
+  TS_EXPECTS(std::adjacent_find(qmap, qmap + 256, std::greater_equal<float>()) == qmap + 256 && qmap[0] >= -1.0f &&
+                 qmap[255] <= 1.0f,
+             "AdamW8bit: a quantization map holds 256 strictly ascending values in [-1, 1]");
   tables.push_back(std::make_unique<QuantTable>(qmap));
   return *tables.back();
 }
