@@ -78,6 +78,14 @@ std::vector<HostParam*> raw_pointers(const std::vector<std::shared_ptr<HostParam
   return raw;
 }
 
+Moments parse_moments(const std::string& name) {
+  if (name == "fp32") return Moments::fp32;
+  if (name == "8bit") return Moments::blockwise8;
+  throw std::invalid_argument("moments must be 'fp32' or '8bit', got '" + name + "'");
+}
+
+const char* moments_name(Moments m) { return m == Moments::blockwise8 ? "8bit" : "fp32"; }
+
 }  // namespace
 
 void bind_pipeline(py::module_& m) {
@@ -96,6 +104,8 @@ void bind_pipeline(py::module_& m) {
       })
       .def_property_readonly("squared_norm", [](const HostParam& p) { return p.squared_norm; })
       .def_property_readonly("has_accumulator", [](const HostParam& p) { return p.accumulator != nullptr; })
+      .def_property_readonly("moments", [](const HostParam& p) { return moments_name(p.moments); },
+                             "'fp32' or '8bit' (blockwise: torchao's AdamW8bit)")
       .def_property_readonly("has_landing_buffer", [](const HostParam& p) { return p.grad != nullptr; },
                              "False for fp32 weights whose gradients land in their accumulator")
       .def_property_readonly("state_bytes", [](const HostParam& p) { return OffloadPipeline::state_bytes(p); },
@@ -107,8 +117,14 @@ void bind_pipeline(py::module_& m) {
       .def("view", [](const std::shared_ptr<HostParam>& p, const std::string& name) {
         if (!p->holds_state()) throw std::invalid_argument("HostParam: its host state was given back (resident)");
         if (name == "master") return HostView{p, p->master, 4 * p->numel};
-        if (name == "exp_avg") return HostView{p, p->exp_avg, 4 * p->numel};
-        if (name == "exp_avg_sq") return HostView{p, p->exp_avg_sq, 4 * p->numel};
+        const std::size_t blocks = p->numel / kQuantBlock;
+        const bool compact = p->moments == Moments::blockwise8;
+        if (name == "exp_avg" && !compact) return HostView{p, p->exp_avg, 4 * p->numel};
+        if (name == "exp_avg_sq" && !compact) return HostView{p, p->exp_avg_sq, 4 * p->numel};
+        if (name == "exp_avg_codes" && compact) return HostView{p, p->exp_avg8.codes, p->numel};
+        if (name == "exp_avg_scale" && compact) return HostView{p, p->exp_avg8.scale, 4 * blocks};
+        if (name == "exp_avg_sq_codes" && compact) return HostView{p, p->exp_avg_sq8.codes, p->numel};
+        if (name == "exp_avg_sq_scale" && compact) return HostView{p, p->exp_avg_sq8.scale, 4 * blocks};
         if (name == "grad") {
           if (!p->grad) throw std::invalid_argument("HostParam: no landing buffer (its gradients land in its accumulator)");
           return HostView{p, p->grad, p->weight_bytes()};
@@ -123,7 +139,8 @@ void bind_pipeline(py::module_& m) {
         }
         throw std::invalid_argument("HostParam has no buffer '" + name + "'");
       }, py::arg("name"), py::keep_alive<0, 1>(),
-      "Bytes of one buffer: master, exp_avg, exp_avg_sq, grad, accumulator, or (with speculation) "
+      "Bytes of one buffer: master, exp_avg, exp_avg_sq (blockwise 8-bit moments: exp_avg_codes, exp_avg_scale, "
+      "exp_avg_sq_codes, exp_avg_sq_scale), grad, accumulator, or (with speculation) "
       "next_exp_avg, next_exp_avg_sq, next_master; with keep_weights_on_host, weights (the weights in their "
       "dtype). A commit swaps each next_ buffer with its twin.");
 
@@ -169,12 +186,17 @@ void bind_pipeline(py::module_& m) {
            }, "Wall seconds the engine's threads ran chunks, and elements updated, since it started.")
       .def_property_readonly("downloading_bytes", &OffloadPipeline::downloading_bytes)
       .def("add_param", [](OffloadPipeline& o, std::size_t numel, const std::string& dtype, bool accumulate,
-                           std::int64_t priority, bool with_state) {
+                           std::int64_t priority, bool with_state, const std::string& moments) {
+             const Moments format = parse_moments(moments);
              py::gil_scoped_release release;
-             return o.add_param(numel, parse_dtype(dtype), accumulate, priority, with_state);
+             return o.add_param(numel, parse_dtype(dtype), accumulate, priority, with_state, format);
            }, py::arg("numel"), py::arg("weight_dtype"), py::arg("accumulate"), py::arg("priority") = 0,
-           py::arg("with_state") = true,
+           py::arg("with_state") = true, py::arg("moments") = "fp32",
            py::keep_alive<0, 1>())
+      .def("set_quantization_maps", [](OffloadPipeline& o, std::uintptr_t signed_map, std::uintptr_t unsigned_map) {
+             o.set_quantization_maps(reinterpret_cast<const float*>(signed_map), reinterpret_cast<const float*>(unsigned_map));
+           }, py::arg("signed_map"), py::arg("unsigned_map"),
+           "The two maps of 256 fp32 values (host addresses, copied) that 8-bit moments are decoded by; once.")
       .def("load_weights", [](OffloadPipeline& o, HostParam& p, std::uintptr_t weight, std::uintptr_t stream) {
              py::gil_scoped_release release;
              o.load_weights(p, weight, stream);
@@ -248,9 +270,10 @@ void bind_pipeline(py::module_& m) {
              py::gil_scoped_release release;
              return o.keep_weights_on_host(p);
            }, py::arg("param"), "Keeps the parameter's weights in host memory from now on; returns the host bytes taken.")
-      .def_static("state_bytes", [](std::size_t numel, const std::string& dtype, bool accumulate) {
-             return OffloadPipeline::state_bytes(numel, parse_dtype(dtype), accumulate);
-           }, py::arg("numel"), py::arg("weight_dtype"), py::arg("accumulate"),
+      .def_static("state_bytes", [](std::size_t numel, const std::string& dtype, bool accumulate,
+                                    const std::string& moments) {
+             return OffloadPipeline::state_bytes(numel, parse_dtype(dtype), accumulate, parse_moments(moments));
+           }, py::arg("numel"), py::arg("weight_dtype"), py::arg("accumulate"), py::arg("moments") = "fp32",
            "Host bytes of an offloaded parameter's state (master, moments, landing buffer, accumulator).")
       .def_static("speculation_bytes", [](std::size_t numel, const std::string& dtype) {
              return OffloadPipeline::speculation_bytes(numel, parse_dtype(dtype));

@@ -132,3 +132,36 @@ def test_sizes_that_are_not_whole_blocks_are_refused():
     m, v = _state(512)
     with pytest.raises(ValueError, match="multiple of 256"):
         _engine_step(engine, p, p, m, v, 1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, wd=0.0)
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+def test_the_offload_pipeline_runs_torchaos_update_on_8bit_moments(isa, weight_dtype):
+    """Gradients landed and updated by the pipeline's threads, chunk by chunk, against torchao's
+    update over an fp32 master (bf16 weights: the master rounded to nearest, as they go up)."""
+    torch.manual_seed(3)
+    numel = 3 * 4096 + 512
+    pipeline = _C.host_pipeline(3, isa)
+    m_ref, v_ref = _state(numel)
+    pipeline.set_quantization_maps(m_ref.qmap.data_ptr(), v_ref.qmap.data_ptr())
+    host = pipeline.add_param(numel, "bfloat16" if weight_dtype == torch.bfloat16 else "float32", False,
+                              moments="8bit")
+    assert host.moments == "8bit" and host.state_bytes == _C.OffloadPipeline.state_bytes(
+        numel, "bfloat16" if weight_dtype == torch.bfloat16 else "float32", False, moments="8bit")
+    device = torch.randn(numel).to(weight_dtype)
+    master = device.float().clone()  # (.float() of fp32 weights is the same tensor)
+    pipeline.load_weights(host, device.data_ptr())
+    hyper = dict(lr=2e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+    for step in range(1, 4):
+        grad = (torch.randn(numel) * 10.0 ** (step - 2)).to(weight_dtype)
+        pipeline.land_gradient(host, grad.data_ptr(), 0)
+        pipeline.submit(host, update=True, device_weight=device.data_ptr(), step=step, **hyper)
+        pipeline.synchronize()
+        _reference_step(master, grad.float(), m_ref, v_ref, step, hyper["lr"], hyper["beta1"], hyper["beta2"],
+                        hyper["eps"], hyper["weight_decay"])
+    view = lambda name, dtype: torch.frombuffer(host.view(name), dtype=dtype)  # noqa: E731
+    assert torch.equal(view("master", torch.float32), master)
+    assert torch.equal(view("exp_avg_codes", torch.uint8), m_ref.codes)
+    assert torch.equal(view("exp_avg_sq_scale", torch.float32), v_ref.scale)
+    assert torch.equal(device, master.to(weight_dtype))
+    with pytest.raises(ValueError, match="no buffer 'exp_avg'"):
+        host.view("exp_avg")

@@ -5,6 +5,8 @@
 #include "trainstream/errors.hpp"
 #include "trainstream/grad_ops.hpp"
 
+#include <string>
+
 namespace trainstream {
 
 OffloadPipeline::OffloadPipeline(std::unique_ptr<Transfer> transfer, std::size_t threads,
@@ -43,9 +45,15 @@ OffloadPipeline::~OffloadPipeline() {
 
 std::shared_ptr<HostParam> OffloadPipeline::add_param(std::size_t numel, DType weight_dtype,
                                                       bool accumulate, std::int64_t priority,
-                                                      bool with_state) {
+                                                      bool with_state, Moments moments) {
   TS_EXPECTS(numel > 0, "OffloadPipeline: zero-size parameter");
+  if (moments == Moments::blockwise8) {
+    TS_EXPECTS(numel % kQuantBlock == 0, "OffloadPipeline: blockwise 8-bit moments need a multiple of " +
+                                             std::to_string(kQuantBlock) + " elements, got " + std::to_string(numel));
+    TS_EXPECTS(!quantization_maps_.empty(), "OffloadPipeline: set_quantization_maps() before 8-bit moments");
+  }
   auto p = std::make_shared<HostParam>();
+  p->moments = moments;
   p->numel = numel;
   p->weight_dtype = weight_dtype;
   p->priority = priority;
@@ -55,13 +63,34 @@ std::shared_ptr<HostParam> OffloadPipeline::add_param(std::size_t numel, DType w
   return p;
 }
 
+void OffloadPipeline::set_quantization_maps(const float* signed_map, const float* unsigned_map) {
+  TS_EXPECTS(signed_map && unsigned_map, "OffloadPipeline: null quantization map");
+  std::vector<float> maps(signed_map, signed_map + 256);
+  maps.insert(maps.end(), unsigned_map, unsigned_map + 256);
+  std::lock_guard<std::mutex> lock(mutex_);
+  TS_EXPECTS(quantization_maps_.empty() || quantization_maps_ == maps,
+             "OffloadPipeline: the quantization maps are set once");
+  quantization_maps_ = std::move(maps);
+}
+
 std::size_t OffloadPipeline::take_state(HostParam& p) {
   if (p.holds_state()) return 0;
   HostArena& arena = transfer_->arena();
   const std::size_t numel = p.numel;
   p.master = static_cast<float*>(arena.allocate(4 * numel));
-  p.exp_avg = static_cast<float*>(arena.allocate(4 * numel));
-  p.exp_avg_sq = static_cast<float*>(arena.allocate(4 * numel));
+  if (p.moments == Moments::blockwise8) {
+    for (Quantized* q : {&p.exp_avg8, &p.exp_avg_sq8}) {  // torchao's zeros: codes 0, scales 0
+      q->codes = static_cast<std::uint8_t*>(arena.allocate(numel));
+      q->scale = static_cast<float*>(arena.allocate(4 * (numel / kQuantBlock)));
+      zero_fill(engine_.pool(), q->codes, numel);
+      zero_fill(engine_.pool(), q->scale, 4 * (numel / kQuantBlock));
+    }
+  } else {
+    p.exp_avg = static_cast<float*>(arena.allocate(4 * numel));
+    p.exp_avg_sq = static_cast<float*>(arena.allocate(4 * numel));
+    zero_fill(engine_.pool(), p.exp_avg, 4 * numel);
+    zero_fill(engine_.pool(), p.exp_avg_sq, 4 * numel);
+  }
   if (!lands_in_accumulator(p.weight_dtype, p.accumulates_)) p.grad = arena.allocate(p.weight_bytes());
   if (p.accumulates_) p.accumulator = static_cast<float*>(arena.allocate(4 * numel));
   p.landing_dtype_ = p.weight_dtype;
@@ -69,8 +98,6 @@ std::size_t OffloadPipeline::take_state(HostParam& p) {
     p.inexact_ = static_cast<std::uint32_t*>(arena.allocate(sizeof(std::uint32_t)));
     p.packs_ = true;
   }
-  zero_fill(engine_.pool(), p.exp_avg, 4 * numel);
-  zero_fill(engine_.pool(), p.exp_avg_sq, 4 * numel);
   return state_bytes(p);
 }
 
@@ -94,6 +121,11 @@ std::size_t OffloadPipeline::release_state(HostParam& p) {
   arena.release(p.accumulator, 4 * numel);
   arena.release(p.inexact_, sizeof(std::uint32_t));
   arena.release(p.next_bf16, 2 * numel);
+  for (Quantized* q : {&p.exp_avg8, &p.exp_avg_sq8}) {
+    arena.release(q->codes, numel);
+    arena.release(q->scale, 4 * (numel / kQuantBlock));
+    *q = Quantized{};
+  }
   p.master = p.exp_avg = p.exp_avg_sq = p.accumulator = nullptr;
   p.next_exp_avg = p.next_exp_avg_sq = p.next_master = nullptr;
   p.grad = nullptr;
@@ -102,9 +134,14 @@ std::size_t OffloadPipeline::release_state(HostParam& p) {
   return bytes;
 }
 
-std::size_t OffloadPipeline::state_bytes(std::size_t numel, DType weight_dtype, bool accumulate) {
-  return (12 + (accumulate ? 4 : 0) + (lands_in_accumulator(weight_dtype, accumulate) ? 0 : dtype_size(weight_dtype))) *
-         numel;
+std::size_t OffloadPipeline::state_bytes(std::size_t numel, DType weight_dtype, bool accumulate, Moments moments) {
+  const std::size_t rest =
+      (4 + (accumulate ? 4 : 0) + (lands_in_accumulator(weight_dtype, accumulate) ? 0 : dtype_size(weight_dtype))) *
+      numel;
+  if (moments == Moments::blockwise8) {
+    return rest + 2 * (HostArena::rounded(numel) + HostArena::rounded(4 * (numel / kQuantBlock)));
+  }
+  return rest + 8 * numel;
 }
 
 }  // namespace trainstream

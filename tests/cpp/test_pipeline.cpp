@@ -13,6 +13,7 @@
 #include "trainstream/errors.hpp"
 #include "trainstream/grad_ops.hpp"
 #include "trainstream/offload_pipeline.hpp"
+#include "trainstream/thread_pool.hpp"
 
 using namespace trainstream;
 
@@ -943,6 +944,112 @@ TEST_CASE("bf16-exact fp32 gradients land as bf16 and update bit-identically; ot
   TransferSlot slot;
   rig.transfer->download_bf16_exact(slot, host.data(), g.data(), 8, &inexact, 0, {}, {});
   CHECK(inexact == 1 && host == g);
+}
+
+namespace {
+
+// A map of 256 ascending values: signed in [-1, 1], else in [0, 1] (the kernels take any such).
+std::vector<float> test_map(bool is_signed) {
+  std::vector<float> map(256);
+  for (int i = 0; i < 256; ++i) {
+    const float u = static_cast<float>(i) / 255.0f;
+    map[i] = is_signed ? std::copysign(std::pow(2.0f * u - 1.0f, 2.0f), 2.0f * u - 1.0f) : u * u * u;
+  }
+  return map;
+}
+
+}  // namespace
+
+TEST_CASE("8-bit moments update as adamw8bit_step does, in chunks across threads, fp32 and bf16 weights") {
+  const std::vector<float> signed_map = test_map(true), unsigned_map = test_map(false);
+  for (DType dtype : {DType::float32, DType::bfloat16}) {
+    Rig rig(std::size_t(1) << 30, true, 3);
+    rig.pipeline->set_quantization_maps(signed_map.data(), unsigned_map.data());
+    const std::size_t n = 5 * 4096 + 768;  // several chunks, the last one short
+    std::vector<float> master(n), grad32(n);
+    for (std::size_t i = 0; i < n; ++i) {
+      master[i] = std::cos(0.11f * i);
+      grad32[i] = std::sin(0.37f * i) * (1.0f + (i % 300));
+    }
+    std::vector<std::uint16_t> weight16(n), grad16(n);
+    for (std::size_t i = 0; i < n; ++i) {
+      weight16[i] = float_to_bf16(master[i]);
+      grad16[i] = float_to_bf16(grad32[i]);
+      if (dtype == DType::bfloat16) master[i] = bf16_to_float(weight16[i]);
+    }
+    std::vector<float> weight32 = master;
+    void* weight = dtype == DType::float32 ? static_cast<void*>(weight32.data()) : weight16.data();
+    const void* grad = dtype == DType::float32 ? static_cast<const void*>(grad32.data()) : grad16.data();
+    auto p = rig.pipeline->add_param(n, dtype, false, 0, true, Moments::blockwise8);
+    CHECK(p->exp_avg == nullptr && p->exp_avg8.codes != nullptr);
+    CHECK(OffloadPipeline::state_bytes(*p) == OffloadPipeline::state_bytes(n, dtype, false, Moments::blockwise8));
+    CHECK(OffloadPipeline::state_bytes(*p) == (4 + dtype_size(dtype) + 2) * n + 2 * HostArena::rounded(4 * n / kQuantBlock));
+    rig.pipeline->load_weights(*p, addr(weight), 0);
+    // the reference: the same steps, straight
+    std::vector<float> ref_p = master, ref_ms(n / kQuantBlock, 0.f), ref_vs(n / kQuantBlock, 0.f);
+    std::vector<std::uint8_t> ref_mc(n, 0), ref_vc(n, 0);
+    std::vector<std::uint16_t> ref_bf16(n);
+    ThreadPool pool(1);
+    for (int step = 1; step <= 3; ++step) {
+      GradJob job = update_job(addr(weight));
+      job.hyper.lr = 0.01;
+      job.hyper.weight_decay = 0.1;
+      job.hyper.step = step;
+      job.hyper.grad_scale = step == 2 ? 0.25 : 1.0;  // a clip coefficient
+      rig.pipeline->land_gradient(p, addr(grad), 0, job);
+      rig.transfer->land_all();
+      rig.pipeline->synchronize();
+      AdamW8bitBuffers b;
+      b.param = ref_p.data();
+      b.grad = grad;
+      b.grad_dtype = dtype;
+      b.exp_avg = {ref_mc.data(), ref_ms.data()};
+      b.exp_avg_sq = {ref_vc.data(), ref_vs.data()};
+      b.signed_qmap = signed_map.data();
+      b.unsigned_qmap = unsigned_map.data();
+      b.param_bf16 = dtype == DType::bfloat16 ? ref_bf16.data() : nullptr;
+      b.numel = n;
+      AdamW8bitHyper h;
+      h.lr = 0.01f;
+      h.weight_decay = 0.1;
+      h.step = step;
+      h.grad_scale = step == 2 ? 0.25f : 1.0f;
+      adamw8bit_step(pool, b, h, Isa::scalar);
+    }
+    CHECK(std::memcmp(p->master, ref_p.data(), 4 * n) == 0);
+    CHECK(std::memcmp(p->exp_avg8.codes, ref_mc.data(), n) == 0 && std::memcmp(p->exp_avg_sq8.codes, ref_vc.data(), n) == 0);
+    CHECK(std::memcmp(p->exp_avg_sq8.scale, ref_vs.data(), 4 * (n / kQuantBlock)) == 0);
+    if (dtype == DType::float32) {  // the master goes up whole (no update term: it is state)
+      CHECK(std::memcmp(weight32.data(), ref_p.data(), 4 * n) == 0);
+      CHECK(rig.transfer->term_uploads == 0);
+    } else {
+      CHECK(std::memcmp(weight16.data(), ref_bf16.data(), 2 * n) == 0);
+    }
+    const std::size_t held = OffloadPipeline::state_bytes(*p);
+    CHECK(rig.pipeline->release_state(*p) == held);
+    CHECK(p->exp_avg8.codes == nullptr && !p->holds_state());
+    CHECK(rig.pipeline->take_state(*p) == held);
+    CHECK(p->exp_avg8.codes[5] == 0 && p->exp_avg_sq8.scale[1] == 0.0f);  // zeroed, as torchao's state starts
+  }
+}
+
+TEST_CASE("8-bit moments are refused without maps, for partial blocks, and for speculation") {
+  Rig rig;
+  CHECK_THROWS_AS(rig.pipeline->add_param(4096, DType::float32, false, 0, true, Moments::blockwise8),
+                  std::invalid_argument);
+  const std::vector<float> signed_map = test_map(true), unsigned_map = test_map(false);
+  rig.pipeline->set_quantization_maps(signed_map.data(), unsigned_map.data());
+  CHECK_THROWS_AS(rig.pipeline->set_quantization_maps(unsigned_map.data(), signed_map.data()), std::invalid_argument);
+  CHECK_THROWS_AS(rig.pipeline->add_param(4100, DType::float32, false, 0, true, Moments::blockwise8),
+                  std::invalid_argument);
+  auto p = rig.pipeline->add_param(4096, DType::bfloat16, false, 0, true, Moments::blockwise8);
+  CHECK_THROWS_AS(rig.pipeline->enable_speculation(*p), std::invalid_argument);
+  std::vector<std::uint16_t> weight(4096), grad(4096);
+  GradJob job = update_job(addr(weight.data()));
+  job.hyper.maximize = true;
+  rig.pipeline->land_gradient(p, addr(grad.data()), 0, job);
+  rig.transfer->land_all();
+  CHECK_THROWS_AS(rig.pipeline->synchronize(), std::invalid_argument);
 }
 
 TS_TEST_MAIN

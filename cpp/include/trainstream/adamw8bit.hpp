@@ -1,7 +1,7 @@
 // Blockwise 8-bit AdamW on host buffers: torchao.optim.AdamW8bit's update (Dettmers et al. 2021,
 // torchao's dynamic quantization map and its rounding), in its own fp32 arithmetic. Each moment
 // is one uint8 code a parameter and one fp32 scale (the block's largest magnitude) per block of
-// kQuantBlock parameters. The engine does not wire it into the offload pipeline yet.
+// kQuantBlock parameters.
 #pragma once
 
 #include <cstddef>
@@ -29,6 +29,9 @@ struct AdamW8bitBuffers {
   Quantized exp_avg_sq;  // unsigned map
   const float* signed_qmap = nullptr;    // 256 ascending values in [-1, 1]
   const float* unsigned_qmap = nullptr;  // 256 ascending values in [0, 1]
+  // Optional: the updated weights rounded to bf16 (RNE). May be the gradient buffer when the
+  // gradient is bf16 (each element's gradient is read before its weight is written).
+  std::uint16_t* param_bf16 = nullptr;
   std::size_t numel = 0;  // a positive multiple of kQuantBlock
 };
 
@@ -42,6 +45,36 @@ struct AdamW8bitHyper {
   double weight_decay = 1e-2;
   std::int64_t step = 1;
   float grad_scale = 1.0f;  // multiplies the gradient first, as clip_grad_norm_ scales it in place
+};
+
+// Per-call constants, rounded to float where torchao rounds them.
+struct AdamW8bitCoeffs {
+  float lr, lr_wd, bc1, bc2_sqrt, eps, grad_scale;
+  float m_coeff, v_coeff;  // lerp weights as fma coefficients (see AdamWCoeffs::lerp_coeff)
+  bool m_from_start, v_from_start;
+};
+
+namespace eight_bit {
+struct QuantTable;
+}
+
+// One update, validated and prepared, for a caller that runs its blocks itself (the offload
+// pipeline, chunk by chunk on its own threads); adamw8bit_step() spreads one over a pool.
+class AdamW8bitStep {
+ public:
+  // Validates (std::invalid_argument) the buffers and hyperparameters.
+  AdamW8bitStep(const AdamW8bitBuffers& buffers, const AdamW8bitHyper& hyper, Isa isa);
+  // Updates blocks [first, last) (kQuantBlock elements each); blocks never overlap between calls.
+  void run(std::size_t first, std::size_t last) const;
+  std::size_t blocks() const { return buffers_.numel / kQuantBlock; }
+
+ private:
+  AdamW8bitBuffers buffers_;
+  AdamW8bitCoeffs coeffs_;
+  const eight_bit::QuantTable* signed_table_;
+  const eight_bit::QuantTable* unsigned_table_;
+  void (*kernel_)(const AdamW8bitBuffers&, const AdamW8bitCoeffs&, const eight_bit::QuantTable&,
+                  const eight_bit::QuantTable&, std::size_t, std::size_t);
 };
 
 // The code whose value is nearest `x` (ties up), found as torchao finds it: a branchless binary

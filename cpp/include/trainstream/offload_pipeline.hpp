@@ -18,9 +18,14 @@
 #include <vector>
 
 #include "trainstream/adamw.hpp"
+#include "trainstream/adamw8bit.hpp"
 #include "trainstream/transfer.hpp"
 
 namespace trainstream {
+
+// How a parameter's moments are held: fp32 (torch's AdamW), or blockwise 8-bit codes and scales
+// (torchao's AdamW8bit, adamw8bit.hpp: its update, over the fp32 master).
+enum class Moments : int { fp32 = 0, blockwise8 = 1 };
 
 // One parameter's host state: fp32 master weights, AdamW moments, the landing buffer for its
 // gradient (in the weight dtype; for bf16 weights it also carries the bf16 weights back up; an
@@ -36,6 +41,10 @@ class HostParam {
   float* master = nullptr;
   float* exp_avg = nullptr;
   float* exp_avg_sq = nullptr;
+  // Moments::blockwise8: the moments as codes and block scales instead (exp_avg, exp_avg_sq null).
+  Moments moments = Moments::fp32;
+  Quantized exp_avg8;
+  Quantized exp_avg_sq8;
   void* grad = nullptr;  // the landing buffer (null until needed: see above)
   float* accumulator = nullptr;
   double squared_norm = 0.0;  // of the last gradient measured with GradJob::norm (grad_ops.hpp)
@@ -161,8 +170,14 @@ class OffloadPipeline {
 
   // Registers a parameter and allocates its host buffers from the arena (zeroed moments); with
   // `with_state` false, none yet (a parameter resident for now: take_state() when it is offloaded).
+  // Moments::blockwise8 needs a whole number of kQuantBlock blocks and the maps first
+  // (set_quantization_maps); its updates are torchao's AdamW8bit, and do not speculate.
   std::shared_ptr<HostParam> add_param(std::size_t numel, DType weight_dtype, bool accumulate,
-                                       std::int64_t priority = 0, bool with_state = true);
+                                       std::int64_t priority = 0, bool with_state = true,
+                                       Moments moments = Moments::fp32);
+  // The two 256-value maps blockwise 8-bit moments are decoded by (signed: the first moment),
+  // copied; once, before the first such parameter.
+  void set_quantization_maps(const float* signed_map, const float* unsigned_map);
   // A parameter that became resident gives its host buffers back (speculation's included), once
   // its queued jobs are done; a slab whose buffers are all back leaves the process. Returns the
   // bytes given back. Jobs, landings and views on it are refused until take_state(), which takes
@@ -170,15 +185,16 @@ class OffloadPipeline {
   std::size_t release_state(HostParam& p);
   std::size_t take_state(HostParam& p);
   // Host bytes of a parameter's state as take_state takes it (and wrap() plans): fp32 master and
-  // moments, with `accumulate` an fp32 accumulator, and a landing buffer in the weight dtype
-  // unless its gradients land in the accumulator (fp32 weights with one).
-  static std::size_t state_bytes(std::size_t numel, DType weight_dtype, bool accumulate);
+  // moments (or their codes and scales), with `accumulate` an fp32 accumulator, and a landing
+  // buffer in the weight dtype unless its gradients land in the accumulator (fp32 weights with one).
+  static std::size_t state_bytes(std::size_t numel, DType weight_dtype, bool accumulate,
+                                 Moments moments = Moments::fp32);
   static bool lands_in_accumulator(DType weight_dtype, bool accumulate) {
     return accumulate && weight_dtype == DType::float32;
   }
   // What `p` holds now (a landing buffer taken since included).
   static std::size_t state_bytes(const HostParam& p) {
-    return state_bytes(p.numel, p.weight_dtype, p.accumulates_) +
+    return state_bytes(p.numel, p.weight_dtype, p.accumulates_, p.moments) +
            (p.grad != nullptr && lands_in_accumulator(p.weight_dtype, p.accumulates_) ? p.weight_bytes() : 0);
   }
 
@@ -276,6 +292,7 @@ class OffloadPipeline {
   void worker_loop();
   Task* next_chunk_locked(std::size_t& chunk);
   void start(Task& task);
+  void start_8bit(Task& task);
   void run_chunk(Task& task, std::size_t chunk);
   std::size_t finish(Task& task);
 
@@ -380,6 +397,7 @@ class OffloadPipeline {
   // about 9% slower a parameter with them pageable), apart from the state's arena and its count.
   HostArena spare_;
   HostAdamW engine_;
+  std::vector<float> quantization_maps_;  // signed, then unsigned (set_quantization_maps)
   std::size_t max_download_bytes_;
   std::atomic<bool> device_accumulate_;
   const int niceness_;

@@ -150,7 +150,9 @@ void update_blocks(const AdamW8bitBuffers& buf, const Coeffs& c, const eight_bit
       const float p = buf.param[at + i];
       const float decayed = p - c.lr_wd * p;
       const float denom = std::sqrt(v[i]) / c.bc2_sqrt + c.eps;
-      buf.param[at + i] = decayed - c.lr * (m[i] / c.bc1) / denom;
+      const float updated = decayed - c.lr * (m[i] / c.bc1) / denom;
+      buf.param[at + i] = updated;
+      if (buf.param_bf16) buf.param_bf16[at + i] = float_to_bf16(updated);
     }
     store_block(m, buf.exp_avg, b, buf.signed_qmap);
     store_block(v, buf.exp_avg_sq, b, buf.unsigned_qmap);
@@ -159,7 +161,7 @@ void update_blocks(const AdamW8bitBuffers& buf, const Coeffs& c, const eight_bit
 
 }  // namespace
 
-void adamw8bit_step(ThreadPool& pool, const AdamW8bitBuffers& buf, const AdamW8bitHyper& hyper, Isa isa) {
+AdamW8bitStep::AdamW8bitStep(const AdamW8bitBuffers& buf, const AdamW8bitHyper& hyper, Isa isa) : buffers_(buf) {
   TS_EXPECTS(buf.numel > 0 && buf.numel % kQuantBlock == 0,
              "AdamW8bit: numel must be a positive multiple of " + std::to_string(kQuantBlock) + ", got " +
                  std::to_string(buf.numel));
@@ -168,18 +170,30 @@ void adamw8bit_step(ThreadPool& pool, const AdamW8bitBuffers& buf, const AdamW8b
              "AdamW8bit: null buffer pointer");
   TS_EXPECTS(buf.grad_dtype == DType::float32 || buf.grad_dtype == DType::bfloat16,
              "AdamW8bit: gradient dtype must be float32 or bfloat16");
-  const Coeffs c = coeffs(hyper);
-  const eight_bit::QuantTable& signed_table = eight_bit::quant_table(buf.signed_qmap);
-  const eight_bit::QuantTable& unsigned_table = eight_bit::quant_table(buf.unsigned_qmap);
-  const eight_bit::Kernel kernel = isa == Isa::avx512 ? eight_bit::blocks_avx512
-                                   : isa == Isa::avx2 ? eight_bit::blocks_avx2
-                                                      : update_blocks;
-  const std::size_t blocks = buf.numel / kQuantBlock;
+  if (buf.param_bf16 && buf.param_bf16 != buf.grad) {
+    const auto* g = static_cast<const char*>(buf.grad);
+    const auto* w = reinterpret_cast<const char*>(buf.param_bf16);
+    const std::size_t g_bytes = buf.numel * dtype_size(buf.grad_dtype), w_bytes = 2 * buf.numel;
+    TS_EXPECTS(w + w_bytes <= g || g + g_bytes <= w, "AdamW8bit: the bf16 weights overlap the gradient without being it");
+  }
+  TS_EXPECTS(buf.param_bf16 != buf.grad || buf.grad_dtype == DType::bfloat16,
+             "AdamW8bit: bf16 weights written into the gradient's buffer need a bf16 gradient");
+  coeffs_ = coeffs(hyper);
+  signed_table_ = &eight_bit::quant_table(buf.signed_qmap);
+  unsigned_table_ = &eight_bit::quant_table(buf.unsigned_qmap);
+  kernel_ = isa == Isa::avx512 ? eight_bit::blocks_avx512 : isa == Isa::avx2 ? eight_bit::blocks_avx2 : update_blocks;
+}
+
+void AdamW8bitStep::run(std::size_t first, std::size_t last) const {
+  kernel_(buffers_, coeffs_, *signed_table_, *unsigned_table_, first, std::min(last, blocks()));
+}
+
+void adamw8bit_step(ThreadPool& pool, const AdamW8bitBuffers& buf, const AdamW8bitHyper& hyper, Isa isa) {
+  const AdamW8bitStep step(buf, hyper, isa);
+  const std::size_t blocks = step.blocks();
   const std::size_t per_task = chunk_elements(buf.numel, pool.size()) / kQuantBlock;  // whole blocks
   const std::size_t tasks = (blocks + per_task - 1) / per_task;
-  pool.parallel_for(tasks, [&](std::size_t t) {
-    kernel(buf, c, signed_table, unsigned_table, t * per_task, std::min(blocks, (t + 1) * per_task));
-  });
+  pool.parallel_for(tasks, [&](std::size_t t) { step.run(t * per_task, (t + 1) * per_task); });
 }
 
 }  // namespace trainstream

@@ -6,18 +6,11 @@
 #include <algorithm>
 
 #include "adamw8bit_kernels.hpp"
+#include "simd_bf16.hpp"
 
 namespace trainstream::eight_bit {
 
 namespace {
-
-inline __m256 load_grad(const AdamW8bitBuffers& b, std::size_t i) {
-  if (b.grad_dtype == DType::bfloat16) {
-    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const std::uint16_t*>(b.grad) + i));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-  }
-  return _mm256_loadu_ps(static_cast<const float*>(b.grad) + i);
-}
 
 inline __m256i load_codes(const std::uint8_t* at) {
   return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(at)));
@@ -75,7 +68,7 @@ void blocks_avx2(const AdamW8bitBuffers& buf, const Coeffs& c, const QuantTable&
     __m256 m_max = _mm256_setzero_ps(), v_max = _mm256_setzero_ps();
     for (std::size_t i = 0; i < kQuantBlock; i += 8) {
       const std::size_t e = at + i;
-      const __m256 g = _mm256_mul_ps(load_grad(buf, e), grad_scale);
+      const __m256 g = _mm256_mul_ps(simd::load_grad8(buf.grad, buf.grad_dtype, e), grad_scale);
       const __m256 m0 = _mm256_mul_ps(_mm256_i32gather_ps(buf.signed_qmap, load_codes(buf.exp_avg.codes + e), 4), m_scale);
       const __m256 v0 = _mm256_mul_ps(_mm256_i32gather_ps(buf.unsigned_qmap, load_codes(buf.exp_avg_sq.codes + e), 4), v_scale);
       const __m256 g2 = _mm256_mul_ps(g, g);
@@ -89,7 +82,9 @@ void blocks_avx2(const AdamW8bitBuffers& buf, const Coeffs& c, const QuantTable&
       const __m256 decayed = _mm256_sub_ps(p, _mm256_mul_ps(lr_wd, p));
       const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v1), bc2_sqrt), eps);
       const __m256 step = _mm256_div_ps(_mm256_mul_ps(lr, _mm256_div_ps(m1, bc1)), denom);
-      _mm256_storeu_ps(buf.param + e, _mm256_sub_ps(decayed, step));
+      const __m256 updated = _mm256_sub_ps(decayed, step);
+      _mm256_storeu_ps(buf.param + e, updated);
+      if (buf.param_bf16) _mm_storeu_si128(reinterpret_cast<__m128i*>(buf.param_bf16 + e), simd::to_bf16(updated));
     }
     store_block(m, m_max, buf.exp_avg, b, signed_table);
     store_block(v, v_max, buf.exp_avg_sq, b, unsigned_table);

@@ -6,18 +6,11 @@
 #include <algorithm>
 
 #include "adamw8bit_kernels.hpp"
+#include "simd_bf16.hpp"
 
 namespace trainstream::eight_bit {
 
 namespace {
-
-inline __m512 load_grad(const AdamW8bitBuffers& b, std::size_t i) {
-  if (b.grad_dtype == DType::bfloat16) {
-    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const std::uint16_t*>(b.grad) + i));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-  }
-  return _mm512_loadu_ps(static_cast<const float*>(b.grad) + i);
-}
 
 inline __m512i load_codes(const std::uint8_t* at) {
   return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at)));
@@ -97,7 +90,7 @@ void blocks_avx512(const AdamW8bitBuffers& buf, const Coeffs& c, const QuantTabl
     __m512 m_max = _mm512_setzero_ps(), v_max = _mm512_setzero_ps();
     for (std::size_t i = 0; i < kQuantBlock; i += 16) {
       const std::size_t e = at + i;
-      const __m512 g = _mm512_mul_ps(load_grad(buf, e), grad_scale);
+      const __m512 g = _mm512_mul_ps(simd::load_grad16(buf.grad, buf.grad_dtype, e), grad_scale);
       const __m512 m0 = _mm512_mul_ps(lookup256(signed_table.map, load_codes(buf.exp_avg.codes + e)), m_scale);
       const __m512 v0 = _mm512_mul_ps(lookup256(unsigned_table.map, load_codes(buf.exp_avg_sq.codes + e)), v_scale);
       const __m512 g2 = _mm512_mul_ps(g, g);
@@ -111,7 +104,9 @@ void blocks_avx512(const AdamW8bitBuffers& buf, const Coeffs& c, const QuantTabl
       const __m512 decayed = _mm512_sub_ps(p, _mm512_mul_ps(lr_wd, p));
       const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v1), bc2_sqrt), eps);
       const __m512 step = _mm512_div_ps(_mm512_mul_ps(lr, _mm512_div_ps(m1, bc1)), denom);
-      _mm512_storeu_ps(buf.param + e, _mm512_sub_ps(decayed, step));
+      const __m512 updated = _mm512_sub_ps(decayed, step);
+      _mm512_storeu_ps(buf.param + e, updated);
+      if (buf.param_bf16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(buf.param_bf16 + e), simd::to_bf16(updated));
     }
     store_block(m, m_max, buf.exp_avg, b, signed_table);
     store_block(v, v_max, buf.exp_avg_sq, b, unsigned_table);

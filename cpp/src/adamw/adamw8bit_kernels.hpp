@@ -9,11 +9,7 @@
 
 namespace trainstream::eight_bit {
 
-struct Coeffs {
-  float lr, lr_wd, bc1, bc2_sqrt, eps, grad_scale;
-  float m_coeff, v_coeff;  // lerp weights as fma coefficients (see AdamWCoeffs::lerp_coeff)
-  bool m_from_start, v_from_start;
-};
+using Coeffs = AdamW8bitCoeffs;
 
 // Quantizing x in [-1, 1] (or NaN) to the code quantize_with_qmap() picks, without its search.
 // That code is the number of thresholds t_0 < ... < t_254 at or below x, t_i being the least

@@ -1,33 +1,12 @@
 // AdamW with AVX2 + FMA, 8 lanes. Built with -mavx2 -mfma; only called when CPUID says so.
 #include <immintrin.h>
 
+#include "simd_bf16.hpp"
 #include "trainstream/adamw.hpp"
 
 namespace trainstream::kernels {
 
-namespace {
-
-inline __m256 load_grad(const AdamWBuffers& b, std::size_t i) {
-  if (b.grad_dtype == DType::bfloat16) {
-    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(
-        static_cast<const std::uint16_t*>(b.grad) + i));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-  }
-  return _mm256_loadu_ps(static_cast<const float*>(b.grad) + i);
-}
-
-// Round to nearest even, NaN -> 0x7fc0, exactly as float_to_bf16().
-inline __m128i to_bf16(__m256 x) {
-  const __m256i bits = _mm256_castps_si256(x);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  const __m256i rounded =
-      _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
-  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
-  const __m256i out = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7fc0), nan);
-  return _mm_packus_epi32(_mm256_castsi256_si128(out), _mm256_extracti128_si256(out, 1));
-}
-
-}  // namespace
+using simd::to_bf16;
 
 void adamw_avx2(const AdamWBuffers& b, const AdamWCoeffs& c, std::size_t begin, std::size_t end) {
   const __m256 decay = _mm256_set1_ps(c.decay);
@@ -53,7 +32,7 @@ void adamw_avx2(const AdamWBuffers& b, const AdamWCoeffs& c, std::size_t begin, 
   };
   std::size_t i = begin;
   for (; i + 8 <= end; i += 8) {
-    const __m256 g = _mm256_xor_ps(_mm256_mul_ps(load_grad(b, i), scale), sign);
+    const __m256 g = _mm256_xor_ps(_mm256_mul_ps(simd::load_grad8(b.grad, b.grad_dtype, i), scale), sign);
     const __m256 m0 = _mm256_loadu_ps(b.exp_avg + i);
     const __m256 m = _mm256_fmadd_ps(lerp, _mm256_sub_ps(g, m0), c.lerp_from_start ? m0 : g);
     const __m256 v = _mm256_fmadd_ps(_mm256_mul_ps(omb2, g), g,

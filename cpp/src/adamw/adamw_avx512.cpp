@@ -2,32 +2,12 @@
 // -mavx512vl -mfma; only called when CPUID says so.
 #include <immintrin.h>
 
+#include "simd_bf16.hpp"
 #include "trainstream/adamw.hpp"
 
 namespace trainstream::kernels {
 
-namespace {
-
-inline __m512 load_grad(const AdamWBuffers& b, std::size_t i, __mmask16 k) {
-  if (b.grad_dtype == DType::bfloat16) {
-    const __m256i h = _mm256_maskz_loadu_epi16(k, static_cast<const std::uint16_t*>(b.grad) + i);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-  }
-  return _mm512_maskz_loadu_ps(k, static_cast<const float*>(b.grad) + i);
-}
-
-// Round to nearest even, NaN -> 0x7fc0, exactly as float_to_bf16().
-inline __m256i to_bf16(__m512 x) {
-  const __m512i bits = _mm512_castps_si512(x);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i rounded =
-      _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
-  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-  rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7fc0));
-  return _mm512_cvtepi32_epi16(rounded);
-}
-
-}  // namespace
+using simd::to_bf16;
 
 void adamw_avx512(const AdamWBuffers& b, const AdamWCoeffs& c, std::size_t begin, std::size_t end) {
   const __m512 decay = _mm512_set1_ps(c.decay);
@@ -56,7 +36,7 @@ void adamw_avx512(const AdamWBuffers& b, const AdamWCoeffs& c, std::size_t begin
     const std::size_t left = end - i;
     const __mmask16 k = left >= 16 ? __mmask16(0xffff) : __mmask16((1u << left) - 1);
     const __m512 g = _mm512_castsi512_ps(
-        _mm512_xor_si512(_mm512_castps_si512(_mm512_mul_ps(load_grad(b, i, k), scale)), sign));
+        _mm512_xor_si512(_mm512_castps_si512(_mm512_mul_ps(simd::load_grad16(b.grad, b.grad_dtype, i, k), scale)), sign));
     const __m512 m0 = _mm512_maskz_loadu_ps(k, b.exp_avg + i);
     const __m512 m = _mm512_fmadd_ps(lerp, _mm512_sub_ps(g, m0), c.lerp_from_start ? m0 : g);
     const __m512 v = _mm512_fmadd_ps(_mm512_mul_ps(omb2, g), g,

@@ -18,6 +18,7 @@ std::size_t OffloadPipeline::enable_speculation(HostParam& p) {
     std::unique_lock<std::mutex> lock(mutex_);
     wait_idle(p, lock);  // no job may be reading the pointers set below
     TS_EXPECTS(!p.keeps_weights_, "OffloadPipeline: weights kept on the host do not speculate");
+    TS_EXPECTS(p.moments == Moments::fp32, "OffloadPipeline: blockwise 8-bit moments do not speculate (yet)");
     TS_EXPECTS(p.holds_state(), kReleased);
     if (p.next_exp_avg) return 0;
   }

@@ -4,6 +4,7 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "trainstream/offload_pipeline.hpp"
@@ -34,6 +35,7 @@ struct OffloadPipeline::Task {
   DType landed = DType::float32;  // what the landing buffer holds
   AdamWBuffers buffers;
   AdamWCoeffs coeffs;
+  std::optional<AdamW8bitStep> step8;  // an update of blockwise 8-bit moments (buffers then only for uploads)
   std::size_t chunk = 0, chunks = 0;
   std::size_t next_chunk = 0, chunks_done = 0;  // under the mutex
   std::vector<double> partial;  // squared norm of each norm block (grad_ops.hpp)

@@ -11,6 +11,7 @@
 namespace trainstream {
 
 static_assert(kChunkAlignment % kNormBlock == 0, "a job's chunks must hold whole norm blocks");
+static_assert(kChunkAlignment % kQuantBlock == 0, "a job's chunks must hold whole 8-bit blocks");
 
 void OffloadPipeline::worker_loop() {
   lower_this_thread_priority(niceness_);
@@ -119,14 +120,18 @@ void OffloadPipeline::start(Task& task) {
   task.grad_dtype = job.from_accumulator ? DType::float32 : task.landed;
   task.chunk = chunk_elements(p.numel, workers_.size());  // whole norm blocks
   const bool elementwise = job.accumulate || job.norm || job.update;
-  const bool fp32_term = upload_terms_ && p.weight_dtype == DType::float32 && job.device_weight != 0;
+  // (8-bit moments: the master is state, and goes up whole)
+  const bool fp32_term =
+      upload_terms_ && p.weight_dtype == DType::float32 && p.moments == Moments::fp32 && job.device_weight != 0;
   if (job.commit && !job.update && !task.skip) {  // (finish() swaps and uploads)
     task.buffers.term_only = fp32_term;
     task.coeffs = adamw_coeffs(job.hyper);  // validated when the job was made
   }
   task.chunks = elementwise ? (p.numel + task.chunk - 1) / task.chunk : 1;
   if (job.norm) task.partial.assign((p.numel + kNormBlock - 1) / kNormBlock, 0.0);
-  if (job.update && !task.skip) {
+  if (job.update && !task.skip && p.moments == Moments::blockwise8) {
+    start_8bit(task);
+  } else if (job.update && !task.skip) {
     AdamWBuffers& b = task.buffers;
     b.param = p.master;
     b.grad = task.grad;
@@ -164,6 +169,40 @@ void OffloadPipeline::start(Task& task) {
   }
 }
 
+// Under the mutex: an update of blockwise 8-bit moments (torchao's AdamW8bit over the fp32 master).
+void OffloadPipeline::start_8bit(Task& task) {
+  HostParam& p = *task.param;
+  const AdamWHyper& h = task.job.hyper;
+  AdamW8bitBuffers b;
+  b.param = p.master;
+  b.grad = task.grad;
+  b.grad_dtype = task.grad_dtype;
+  b.exp_avg = p.exp_avg8;
+  b.exp_avg_sq = p.exp_avg_sq8;
+  b.signed_qmap = quantization_maps_.data();
+  b.unsigned_qmap = quantization_maps_.data() + 256;
+  if (p.weight_dtype == DType::bfloat16) {  // (up from the landing buffer, as an exact update's)
+    b.param_bf16 = p.keeps_weights_ ? p.host_bf16 : static_cast<std::uint16_t*>(p.grad);
+  }
+  b.numel = p.numel;
+  task.buffers.param_bf16 = b.param_bf16;
+  AdamW8bitHyper hyper;  // torchao keeps lr and the step count as fp32 tensors
+  hyper.lr = static_cast<float>(h.lr);
+  hyper.beta1 = h.beta1;
+  hyper.beta2 = h.beta2;
+  hyper.eps = h.eps;
+  hyper.weight_decay = h.weight_decay;
+  hyper.step = h.step;
+  hyper.grad_scale = static_cast<float>(h.grad_scale);
+  try {
+    TS_EXPECTS(!h.maximize, "OffloadPipeline: blockwise 8-bit moments do not maximize");
+    task.step8.emplace(b, hyper, engine_.isa());
+  } catch (...) {
+    if (!error_) error_ = std::current_exception();
+    task.skip = true;
+  }
+}
+
 void OffloadPipeline::run_chunk(Task& task, std::size_t chunk) {
   if (task.skip) return;
   HostParam& p = *task.param;
@@ -178,7 +217,11 @@ void OffloadPipeline::run_chunk(Task& task, std::size_t chunk) {
   }
   // An update writes the term buffer that the speculated term may still be going up from.
   if (job.update && task.held_term) transfer_->wait_upload(*p.slot_);
-  if (job.update) engine_.kernel()(task.buffers, task.coeffs, begin, end);
+  if (job.update && task.step8) {
+    task.step8->run(begin / kQuantBlock, end / kQuantBlock);  // (chunks hold whole blocks)
+  } else if (job.update) {
+    engine_.kernel()(task.buffers, task.coeffs, begin, end);
+  }
 }
 
 // After the job's last chunk, on the thread that ran it (without the mutex: the parameter's jobs
