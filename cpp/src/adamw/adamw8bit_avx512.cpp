@@ -47,7 +47,7 @@ inline __m512 level_bound(const float* at, int level, __m512i k) {
   return _mm512_mask_blend_ps(_mm512_test_epi32_mask(k, _mm512_set1_epi32(64)), lower, upper);
 }
 
-constexpr int kAtOnce = 2;  // vectors searched side by side: each level waits on the one before
+constexpr int kAtOnce = 4;  // vectors searched side by side: each level waits on the one before
 
 // Requantizes one block's new moment values into `q` at block `b` (as store_block does): each
 // code is the count of thresholds at or below its value, found by a binary search whose levels
