@@ -163,6 +163,43 @@ def test_the_first_forward_offloads_what_its_batch_needs_room_for_and_trains_the
     assert_same_bits(model, opt, ref, ref_opt, "the first plan's placement")
 
 
+@pytest.mark.parametrize("room", [True, False], ids=["room-to-spare", "tight"])
+def test_the_profiled_steps_page_nothing_where_every_block_kept_fits_with_room_to_spare(monkeypatch, room):
+    """The first plan's estimate with every block's activations kept: under 80% of the budget less
+    the reserve, the profiled steps page none (and pin no slot); above it, every block but the last."""
+    torch.manual_seed(0)
+    model = TinyLM(dim=512, layers=3, seq=64)  # activations of 2 MiB: worth paging
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    budget = 10 * GB
+    model, opt = trainstream.wrap(model, opt, max_grad_norm=1.0, vram_budget=budget)
+    limit = budget - planner.reserve_for(budget)  # (the weights and state: a few MB of it)
+    per_block = int((0.25 if room else 0.3) * limit)  # 3 blocks kept: 75% or 90% of it
+    read = fp.read_shapes  # (CPU mode estimates no activations: made up here)
+    monkeypatch.setattr(fp, "read_shapes", lambda *a: replace(read(*a), tokens=1024, block_activation_bytes=per_block))
+    monkeypatch.setattr(fp, "attention_saves_no_scores", lambda m: m is model)  # (as a Hugging Face model with SDPA)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):  # the cold step, the profiled one, the first planned one
+        model.loss(torch.randint(0, 97, (16, 65), generator=g)).backward()
+        opt.step()
+        opt.zero_grad()
+    first = opt.promotion.first_plan
+    assert first.fits and first.resident == len(opt.slots.order) and opt.plan is not None
+    paged = opt.promotion.pager.native.stats()["paged_out_bytes"]
+    assert (paged == 0) == room
+    assert opt.profile.profiled_paged == (0 if room else 2)
+
+
+def test_only_attention_known_to_save_no_scores_lets_the_profiled_steps_keep_every_block():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=4)
+    for impl, known in (("sdpa", True), ("eager", False)):
+        config._attn_implementation = impl
+        assert fp.attention_saves_no_scores(LlamaForCausalLM(config)) == known
+    assert not fp.attention_saves_no_scores(TinyLM())  # (no config: the estimate may be short)
+
+
 def test_a_batch_that_cannot_fit_is_refused_before_the_first_step(monkeypatch):
     model, opt = make()
     before = [p.detach().clone() for p in model.parameters()]

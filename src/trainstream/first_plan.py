@@ -33,6 +33,10 @@ LOSS_BYTES_PER_LOGIT = 12
 # The profiled steps page every block but the last: one block keeps its activations, and the
 # block in backward computes beside it.
 PROFILED_BLOCKS_HELD = 2
+# ...unless every block's activations kept still leave the estimate under this share of the
+# budget less the reserve (the estimate comes from shapes: a wide margin). Then they page none,
+# and pin no host memory for slots that a plan with room to spare would never use.
+KEEP_ALL_SHARE = 0.8
 
 
 @dataclass(frozen=True)
@@ -119,6 +123,26 @@ def plan_first(shapes: Shapes, budget: int, resident: int, streamed: int) -> Fir
             return FirstPlan(resident, streamed, peak, limit, peak <= limit, shapes.tokens, shapes.head_bytes,
                              shapes.block_activation_bytes)
         streamed += 1
+
+
+# Attention that saves no score matrix for backward: with it a block's estimate (its linear layers'
+# inputs and outputs) bounds what the block saves; an eager attention's scores grow with the square
+# of the sequence, which the estimate does not see.
+SCORE_FREE_ATTENTION = ("sdpa", "flash_attention_2", "flash_attention_3")
+
+
+def attention_saves_no_scores(model: torch.nn.Module) -> bool:
+    """Whether the model is known to use SCORE_FREE_ATTENTION (a Hugging Face model's config says)."""
+    return getattr(getattr(model, "config", None), "_attn_implementation", None) in SCORE_FREE_ATTENTION
+
+
+def keeps_every_block(shapes: Shapes, plan: FirstPlan, model: torch.nn.Module) -> bool:
+    """Whether the profiled steps may keep every block's activations (KEEP_ALL_SHARE): only where
+    the estimate is known to bound them."""
+    if not shapes.tokens or not plan.fits or not attention_saves_no_scores(model):
+        return False
+    others = max(0, len(shapes.block_weight_bytes) - PROFILED_BLOCKS_HELD)
+    return plan.peak + others * shapes.block_activation_bytes <= KEEP_ALL_SHARE * plan.limit
 
 
 # ------------------------------------------------------------------------------ the torch side

@@ -210,6 +210,10 @@ class Promotion:
             self.stream(blocks[len(blocks) - chosen.streamed:len(blocks) - self.streamed_count()])
         elif demoted:
             self._tiers_changed()
+        if self.pager is not None and self.pager.deferred and from_shapes.keeps_every_block(shapes, chosen, self._model):
+            self.pager.paged_upto = 0
+            log.info("trainstream: the profiled steps keep every block's activations (estimated to fit with "
+                     "room to spare): no host memory is pinned for paging them")
 
     def _promote(self) -> None:
         """Plans from the profile and moves everything where the plan puts it."""
