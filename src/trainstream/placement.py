@@ -1,7 +1,8 @@
 """Where every byte of a training step lives: a pure function from a measured profile to a plan.
 
 The profile comes from training steps run in a placement that fits (the first plan's, from
-shapes: trainstream.first_plan; every block but the last paged). The planner starts
+shapes: trainstream.first_plan; every block but the last paged, or none where that plan has room
+to spare). The planner starts
 from the fastest placement, everything in VRAM as plain PyTorch keeps it, and while the expected
 peak is over the budget takes the cheapest way to save VRAM, measured in seconds added per GB
 saved:

@@ -6,7 +6,8 @@ compute stream (GPU time, read once the step is over) and the peaks come from th
 allocator, whose counts follow the stream order the GPU runs in; on the CPU the times are the host
 clock and no memory is measured.
 
-The profiled step is not a timing of the steps to come: it pages every block but the last, and
+The profiled step is not a timing of the steps to come: it pages every block but the last (unless
+the first plan has room to spare), and
 its copies stretch forward and backward several times over. So the times are taken apart:
 each block's own compute (the pager marks it after the block's waits) with the gaps between blocks
 left out gives the forward as compute alone (clean_forward), and backward is estimated from it:

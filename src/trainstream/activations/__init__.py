@@ -15,7 +15,8 @@ the weights, which cannot have changed in between because TrainStream updates a 
 after its gradient is complete. That alone frees 2 bytes per parameter of activation memory
 under autocast.
 
-Which blocks to page is decided after a profiling step that pages every block but the last and
+Which blocks to page is decided after a profiling step that pages every block but the last (none
+where the first plan has room to spare: trainstream.first_plan.keeps_every_block) and
 measures, per block, the bytes saved and the forward time (a block that did not run in it counts
 as empty), plus the copy bandwidth:
 
