@@ -58,6 +58,12 @@ namespace eight_bit {
 struct QuantTable;
 }
 
+// Updates blocks [first, last) (kQuantBlock elements each) of one update: one per ISA
+// (cpp/src/adamw/adamw8bit*.cpp), every one giving the scalar kernel's bits.
+using AdamW8bitKernel = void (*)(const AdamW8bitBuffers&, const AdamW8bitCoeffs&,
+                                 const eight_bit::QuantTable& signed_table, const eight_bit::QuantTable& unsigned_table,
+                                 std::size_t first, std::size_t last);
+
 // One update, validated and prepared, for a caller that runs its blocks itself (the offload
 // pipeline, chunk by chunk on its own threads); adamw8bit_step() spreads one over a pool.
 class AdamW8bitStep {
@@ -73,8 +79,7 @@ class AdamW8bitStep {
   AdamW8bitCoeffs coeffs_;
   const eight_bit::QuantTable* signed_table_;
   const eight_bit::QuantTable* unsigned_table_;
-  void (*kernel_)(const AdamW8bitBuffers&, const AdamW8bitCoeffs&, const eight_bit::QuantTable&,
-                  const eight_bit::QuantTable&, std::size_t, std::size_t);
+  AdamW8bitKernel kernel_;
 };
 
 // The code whose value is nearest `x` (ties up), found as torchao finds it: a branchless binary

@@ -1,6 +1,7 @@
-// Blockwise 8-bit AdamW: validation, dispatch, the quantization tables and the scalar kernel. Built with -ffp-contract=off: every rounding is one torchao's
-// eager ops make (lerp's fused multiply-add included, as torch's CPU kernel computes it), but
-// for the square root: ours is correctly rounded, torch's vectorised CPU sqrt not always.
+// Blockwise 8-bit AdamW: validation, dispatch, the quantization tables and the scalar kernel.
+// Built with -ffp-contract=off: every rounding is one torchao's eager ops make (lerp's fused
+// multiply-add included, as torch's CPU kernel computes it), but for the square root: ours is
+// correctly rounded, torch's vectorised CPU sqrt not always.
 #include "trainstream/adamw8bit.hpp"
 
 #include <algorithm>

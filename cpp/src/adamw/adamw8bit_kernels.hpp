@@ -1,5 +1,6 @@
-// The blockwise 8-bit AdamW kernels' shared pieces: the per-call constants and the lookup that
-// lets vector code quantize without a binary search. Internal to cpp/src/adamw/.
+// The blockwise 8-bit AdamW kernels' shared pieces: the per-call constants and the thresholds
+// that let vector code quantize without the scalar kernel's search (by a table, or by a search
+// of its own held in registers). Internal to cpp/src/adamw/.
 #pragma once
 
 #include <cstddef>
@@ -12,6 +13,7 @@ namespace trainstream::eight_bit {
 using Coeffs = AdamW8bitCoeffs;
 
 // Quantizing x in [-1, 1] (or NaN) to the code quantize_with_qmap() picks, without its search.
+// (AVX2 counts with the table below, AVX-512 by a binary search over `levels`.)
 // That code is the number of thresholds t_0 < ... < t_254 at or below x, t_i being the least
 // float from which the search rounds code i up (t_i in (map[i], map[i+1]]; NaN counts none). A
 // table indexed by x's position in float order gives the count at its cell's lowest float; at
@@ -37,9 +39,7 @@ struct QuantTable {
 // The table for this map (built on first use; a few distinct maps are ever seen).
 const QuantTable& quant_table(const float* qmap);
 
-// Updates blocks [first, last) (kQuantBlock elements each).
-using Kernel = void (*)(const AdamW8bitBuffers&, const Coeffs&, const QuantTable& signed_table,
-                        const QuantTable& unsigned_table, std::size_t first, std::size_t last);
+// The vector AdamW8bitKernels (the scalar one is adamw8bit.cpp's own).
 void blocks_avx2(const AdamW8bitBuffers&, const Coeffs&, const QuantTable&, const QuantTable&, std::size_t,
                  std::size_t);
 void blocks_avx512(const AdamW8bitBuffers&, const Coeffs&, const QuantTable&, const QuantTable&, std::size_t,
