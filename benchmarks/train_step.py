@@ -81,14 +81,15 @@ def run_mode(mode: str, args) -> dict:
     # On any mode: '+compile' compiles the model (torch.compile, default mode) before the optimizer
     # is built or wrapped, '+compileafter' after wrap(); '+noclip' or '+clipX' (e.g. +clip1e9)
     # replace --clip for that mode. '+streamN' streams the weights of the last N blocks
-    # (Tuning(streamed_blocks=N)).
+    # (Tuning(streamed_blocks=N)). '+8bit' uses torchao's AdamW8bit: on gpu-adamw torchao's own
+    # GPU update, on trainstream wrapped as the optimizer to run.
     threads = next((int(e[1:]) for e in extras if re.fullmatch(r"t\d+", e)), 0)
     nice = next((int(e[4:]) for e in extras if re.fullmatch(r"nice\d+", e)), None)
     streams = [int(e[6:]) for e in extras if re.fullmatch(r"stream\d+", e)]
     clips = [e for e in extras if e == "noclip" or re.fullmatch(r"clip[0-9.e+-]+", e)]
     clip = args.clip if not clips else None if clips[0] == "noclip" else float(clips[0][4:])
     compiling = [e for e in extras if e in ("compile", "compileafter")]
-    knobs = {e for e in extras if e in ("fp32grads", "everygate", "pageonly", "master", "offload", "waitclip", "light",
+    knobs = {e for e in extras if e in ("fp32grads", "everygate", "pageonly", "master", "offload", "waitclip", "light", "8bit",
                                         "pin", f"t{threads}", f"nice{nice}", *clips, *compiling, *(f"stream{n}" for n in streams))}
     keeping = [e for e in extras if e in ("ckpt", "save_on_cpu")]
     variants = [e for e in extras if e not in knobs and e not in keeping]
@@ -104,10 +105,21 @@ def run_mode(mode: str, args) -> dict:
     if compiling == ["compile"]:
         model = torch.compile(model)
     torch._dynamo.utils.counters.clear()
-    if base == "gpu-adamw":
+    if "8bit" in knobs and base not in ("gpu-adamw", "trainstream"):
+        raise ValueError(f"mode {mode}: +8bit is for gpu-adamw (torchao's AdamW8bit on the GPU) and trainstream")
+    if base == "gpu-adamw" and "8bit" in knobs:
+        from torchao.optim import AdamW8bit
+
+        opt = AdamW8bit(model.parameters(), lr=1e-4, weight_decay=0.01)
+    elif base == "gpu-adamw":
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=True)
     elif base == "trainstream":
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
+        if "8bit" in knobs:  # torchao's AdamW8bit, run by TrainStream's engines
+            from torchao.optim import AdamW8bit
+
+            opt = AdamW8bit(model.parameters(), lr=1e-4, weight_decay=0.01)
+        else:
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
         t0 = time.perf_counter()
         tuning = dict(recompute="pageonly" not in knobs, threads=threads, pack_gradients="fp32grads" not in knobs,
                       upload_update_terms="master" not in knobs, speculative_clipping="waitclip" not in knobs,

@@ -40,7 +40,8 @@ void bind_adamw(py::module_& m) {
       [](HostAdamW& self, std::uintptr_t param, std::uintptr_t grad, const std::string& grad_dtype,
          std::uintptr_t m_codes, std::uintptr_t m_scale, std::uintptr_t v_codes, std::uintptr_t v_scale,
          std::uintptr_t signed_qmap, std::uintptr_t unsigned_qmap, std::size_t numel, float lr, double beta1,
-         double beta2, double eps, double weight_decay, std::int64_t step, float grad_scale) {
+         double beta2, double eps, double weight_decay, std::int64_t step, float grad_scale,
+         std::uintptr_t param_bf16) {
         AdamW8bitBuffers b;
         b.param = as_ptr<float>(param);
         b.grad = as_ptr<const void>(grad);
@@ -49,6 +50,7 @@ void bind_adamw(py::module_& m) {
         b.exp_avg_sq = {as_ptr<std::uint8_t>(v_codes), as_ptr<float>(v_scale)};
         b.signed_qmap = as_ptr<const float>(signed_qmap);
         b.unsigned_qmap = as_ptr<const float>(unsigned_qmap);
+        b.param_bf16 = as_ptr<std::uint16_t>(param_bf16);
         b.numel = numel;
         const AdamW8bitHyper hyper{lr, beta1, beta2, eps, weight_decay, step, grad_scale};
         py::gil_scoped_release release;
@@ -58,8 +60,10 @@ void bind_adamw(py::module_& m) {
       py::arg("exp_avg_scale"), py::arg("exp_avg_sq_codes"), py::arg("exp_avg_sq_scale"), py::arg("signed_qmap"),
       py::arg("unsigned_qmap"), py::arg("numel"), py::kw_only(), py::arg("lr"), py::arg("beta1"),
       py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("step"), py::arg("grad_scale") = 1.0f,
+      py::arg("param_bf16") = 0,
       "One blockwise 8-bit AdamW update (torchao's AdamW8bit) of fp32 weights given by host addresses: "
-      "uint8 codes and fp32 block scales for each moment, torchao's two quantization maps. Releases the GIL.");
+      "uint8 codes and fp32 block scales for each moment, torchao's two quantization maps; param_bf16, where "
+      "given, receives the new weights rounded to bf16. Releases the GIL.");
   engine
       .def(
           "squared_norm",

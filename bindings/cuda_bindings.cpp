@@ -78,6 +78,38 @@ void bind_cuda(py::module_& m) {
       "Queues AdamW over device tensors (fp32 weights or masters; bf16 weights written beside, where "
       "given) on `stream`, with the host engine's arithmetic bit for bit; device_scale, where given, "
       "is a float in device memory that replaces grad_scale.");
+  m.def(
+      "device_adamw8bit_step",
+      [](int device, std::uintptr_t stream, const Addresses& params, const Addresses& grads,
+         const std::vector<std::string>& grad_dtypes, const Addresses& m_codes, const Addresses& m_scales,
+         const Addresses& v_codes, const Addresses& v_scales, const Addresses& params_bf16,
+         const std::vector<std::size_t>& numels, std::uintptr_t signed_qmap, std::uintptr_t unsigned_qmap, float lr,
+         double beta1, double beta2, double eps, double weight_decay, std::int64_t step, float grad_scale,
+         std::uintptr_t device_scale) {
+        const std::size_t n = params.size();
+        check_sizes(n, {grads.size(), grad_dtypes.size(), m_codes.size(), m_scales.size(), v_codes.size(),
+                        v_scales.size(), params_bf16.size(), numels.size()});
+        const std::vector<DType> dtypes = parse_dtypes(grad_dtypes);
+        std::vector<DeviceAdamW8bitTensor> tensors(n);
+        for (std::size_t k = 0; k < n; ++k) {
+          tensors[k] = {as_ptr<float>(params[k]), as_ptr<const void>(grads[k]), dtypes[k],
+                        {as_ptr<std::uint8_t>(m_codes[k]), as_ptr<float>(m_scales[k])},
+                        {as_ptr<std::uint8_t>(v_codes[k]), as_ptr<float>(v_scales[k])},
+                        as_ptr<std::uint16_t>(params_bf16[k]), numels[k]};
+        }
+        const AdamW8bitHyper hyper{lr, beta1, beta2, eps, weight_decay, step, grad_scale};
+        py::gil_scoped_release release;
+        launch_device_adamw8bit(device, tensors.data(), n, hyper, as_ptr<const float>(signed_qmap),
+                                as_ptr<const float>(unsigned_qmap), stream, as_ptr<const float>(device_scale));
+      },
+      py::arg("device"), py::arg("stream"), py::arg("params"), py::arg("grads"), py::arg("grad_dtypes"),
+      py::arg("exp_avg_codes"), py::arg("exp_avg_scales"), py::arg("exp_avg_sq_codes"), py::arg("exp_avg_sq_scales"),
+      py::arg("params_bf16"), py::arg("numels"), py::arg("signed_qmap"), py::arg("unsigned_qmap"), py::kw_only(),
+      py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("step"),
+      py::arg("grad_scale") = 1.0f, py::arg("device_scale") = 0,
+      "Queues torchao's blockwise 8-bit AdamW over device tensors (uint8 codes and fp32 block scales of each "
+      "moment; the two maps in device memory) on `stream`, with the host engine's bits; device_scale as for "
+      "device_adamw_step.");
   m.def("device_clip_scale",
         [](int device, std::uintptr_t stream, std::uintptr_t squares, std::size_t count, double max_norm, double eps,
            std::uintptr_t scale, std::uintptr_t verdict) {

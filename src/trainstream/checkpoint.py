@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from trainstream import eight_bit
 from trainstream.slots import Engine, Slot, Slots
 
 
@@ -72,7 +73,10 @@ class Checkpoint:
                 continue
             weight = slot.weight
             for key in ("exp_avg", "exp_avg_sq"):
-                slot.state[key].copy_(self._local(state[key], slot))
+                saved = state[key]
+                if not (slot.quantized or hasattr(saved, "codes")):
+                    saved = self._local(saved, slot)
+                eight_bit.load_moment(slot.state[key], saved, self._slots.name(slot), key)
             slot.step = int(state["step"])
             slot.state["step"].fill_(slot.step)
             if "master_param" in state and "master_param" in slot.state:

@@ -96,7 +96,8 @@ class Clipping:
         room = self._engine.host_room(self._host_held()) - paged_bytes
         pipeline, host_tensor = self._engine.pipeline, self._engine.host_tensor
         for s in reversed(self._slots.order):
-            if s.next_state is not None or not s.offloaded or s.streamed or self._slots.sums_on_host(s):
+            if (s.next_state is not None or not s.offloaded or s.streamed or self._slots.sums_on_host(s)
+                    or s.quantized):  # (8-bit moments wait for the norm: no second set of codes yet)
                 continue
             need = pipeline.speculation_bytes(s.weight.numel(), DTYPE_NAMES[s.param.dtype])
             if need > room:

@@ -7,6 +7,7 @@ from typing import Callable
 
 import torch
 
+from trainstream import eight_bit
 from trainstream import placement as planner
 from trainstream.clipping import Clipping
 from trainstream.promotion import Promotion
@@ -20,8 +21,9 @@ class Reporter:
     and `shards` are the DDP and FSDP2 engines (None when not in use)."""
 
     def __init__(self, engine: Engine, slots: Slots, clipping: Clipping, tiers: Promotion, *,
-                 host_memory: Callable[[], dict], data_parallel, shards) -> None:
+                 host_memory: Callable[[], dict], data_parallel, shards, eight_bit: bool = False) -> None:
         self._engine = engine
+        self._eight_bit = eight_bit  # the optimizer is torchao's AdamW8bit
         self._host_memory = host_memory
         self._slots = slots
         self._clipping = clipping
@@ -47,6 +49,9 @@ class Reporter:
         if streamer is not None and (tiers.plan is None or not tiers.plan.streamed):
             lines.append(f"weights: {len(streamer.modules)} blocks' ({streamer.weight_bytes / 1e9:.2f} GB) "
                          f"stream from host memory, one block ahead of their use")
+        compact = self._optimizer_line()
+        if compact:
+            lines.append(compact)
         host = self._host_memory_line()
         if host:
             lines.append(host)
@@ -63,6 +68,19 @@ class Reporter:
         if tiers.active_pager is not None:
             lines.append(tiers.active_pager.describe())
         return "\n".join(lines)
+
+    def _optimizer_line(self) -> str:
+        """Under torchao's AdamW8bit, which parameters keep 8-bit moments ("" otherwise)."""
+        order = self._slots.order
+        quantized = [s for s in order if s.quantized]
+        if not self._eight_bit:
+            return ""
+        numel = sum(s.weight.numel() for s in order)
+        share = sum(s.weight.numel() for s in quantized) / max(numel, 1)
+        return (f"optimizer: torchao AdamW8bit: {len(quantized)} parameters ({share:.1%} of the elements) keep "
+                f"blockwise 8-bit moments, the other {len(order) - len(quantized)} (under {eight_bit.MIN_QUANTIZED} "
+                f"elements or not whole blocks of {eight_bit.BLOCK_SIZE}) fp32 moments; updates wait for the global "
+                f"norm under clipping")
 
     def _clipping_line(self) -> str:
         """How many offloaded updates start before the global norm is known, what that holds, and
@@ -90,7 +108,7 @@ class Reporter:
         if not used and not paging:
             return ""
         slots = [s for s in self._slots.order if s.host is not None and s.host.holds_state]
-        held = ["fp32 master", "two moments"]
+        held = ["fp32 master", "two moments" if not any(s.quantized for s in slots) else "8-bit or fp32 moments"]
         if any(s.host.has_landing_buffer for s in slots):
             held.append("a gradient buffer")
         if any(s.host.has_accumulator for s in slots):
@@ -122,6 +140,8 @@ class Reporter:
             "host_bytes_reserved": pipeline.host_reserved_bytes,
             "host_bytes_used": pipeline.host_used_bytes,
             "host_bytes_per_param": pipeline.host_used_bytes / max(numel, 1),
+            "optimizer": "torchao.optim.AdamW8bit" if self._eight_bit else "torch.optim.AdamW",
+            "quantized_params": sum(s.quantized for s in order),  # blockwise 8-bit moments
             # everything TrainStream holds in host memory, by role, and the budget it is held under
             "host_budget": {"limit_bytes": self._engine.host_budget.limit, "source": self._engine.host_budget.source,
                             "available_bytes": self._engine.host_budget.available,

@@ -25,6 +25,8 @@ import sys
 
 import torch
 
+from trainstream import eight_bit
+
 from trainstream._native import CudaError, NativeError, TrainStreamError, UnsupportedError
 
 SUPPORTED_WEIGHT_DTYPES = (torch.float32, torch.bfloat16)
@@ -50,29 +52,35 @@ class HostMemoryError(TrainStreamError, MemoryError):
     """Host RAM cannot hold what the placement keeps there; the message has the figures."""
 
 
-# Optimizers users reach for that the host engine does not run (yet): named in the refusal
+# Optimizers users reach for that the engine does not run: named in the refusal
 LOW_BIT = ("8bit", "4bit", "fp8", "paged")
 
 
 def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
-    """Accept torch.optim.AdamW, and Adam where its semantics equal AdamW's; refuse the rest,
-    subclasses included (their step() may be anything: running torch's AdamW instead would train
-    something else without a word)."""
+    """Accept torch.optim.AdamW, Adam where its semantics equal AdamW's, and torchao's AdamW8bit
+    as the engine implements it (trainstream.eight_bit); refuse the rest, subclasses included
+    (their step() may be anything: running another algorithm would train something else without
+    a word)."""
     kind = type(optimizer)
+    name = f"{kind.__module__}.{kind.__qualname__}"
+    if eight_bit.is_adamw8bit(optimizer):
+        why = eight_bit.check_adamw8bit(optimizer)
+        if why is not None:
+            raise UnsupportedSetupError(f"torchao AdamW8bit: {why}. TrainStream runs {eight_bit.SUPPORTED}.")
+        return
     is_adamw = kind is torch.optim.AdamW
     is_adam = kind is torch.optim.Adam
     if not (is_adamw or is_adam):
-        name = f"{kind.__module__}.{kind.__qualname__}"
         why = ""
-        if any(tag in name.lower() for tag in LOW_BIT):
-            why = (" Low-bit and paged optimizers (torchao's AdamW8bit, AdamW4bit and AdamWFp8, bitsandbytes') "
-                   "are not implemented by TrainStream's host engine: it would run a different algorithm.")
+        if any(tag in name.lower() for tag in LOW_BIT) or kind.__module__.startswith(("torchao", "bitsandbytes")):
+            why = (" TrainStream's engine implements no other low-bit or paged optimizer (torchao's AdamW4bit, "
+                   "AdamWFp8, Adam8bit, _AdamW, CPUOffloadOptimizer, bitsandbytes' optimizers): it would run a "
+                   "different algorithm.")
         elif isinstance(optimizer, (torch.optim.AdamW, torch.optim.Adam)):
             why = " A subclass of torch's AdamW or Adam may change its step, which TrainStream would not run."
         raise UnsupportedSetupError(
-            f"trainstream.wrap() supports torch.optim.AdamW (and torch.optim.Adam without weight "
-            f"decay), got {name}.{why} Create the optimizer as torch.optim.AdamW(model.parameters(), ...) "
-            f"and wrap that."
+            f"trainstream.wrap() supports {eight_bit.SUPPORTED}, got {name}.{why} Create one of those over "
+            f"model.parameters() and wrap that."
         )
     for i, group in enumerate(optimizer.param_groups):
         if group.get("amsgrad", False):

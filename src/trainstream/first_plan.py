@@ -72,11 +72,13 @@ class FirstPlan:
                 f"activations {self.block_activation_bytes / 1e9:.2f} GB)")
 
 
-def resident_costs(numels: list[int], element_sizes: list[int], accumulation_steps: int) -> list[int]:
-    """VRAM each parameter's gradient and AdamW state take when resident (placement.py's terms)."""
+def resident_costs(numels: list[int], element_sizes: list[int], accumulation_steps: int,
+                   moment_bytes: list[float] | None = None) -> list[int]:
+    """VRAM each parameter's gradient and AdamW state take when resident (placement.py's terms);
+    `moment_bytes`: each one's bytes an element of moments (8 unless 8-bit: eight_bit.moment_bytes)."""
     costs = []
-    for numel, size in zip(numels, element_sizes):
-        p = ParamCost("", numel, size, 0, 0.0, 0.0, 0)
+    for numel, size, moments in zip(numels, element_sizes, moment_bytes or [8.0] * len(numels)):
+        p = ParamCost("", numel, size, 0, 0.0, 0.0, 0, moments)
         costs.append(state_bytes(p, accumulation_steps) + resident_grad_bytes(p, accumulation_steps))
     return costs
 

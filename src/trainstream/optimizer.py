@@ -21,6 +21,7 @@ import weakref
 
 import torch
 
+from trainstream import eight_bit
 from trainstream import placement as planner
 from trainstream import progress
 from trainstream.backward import GradientHooks
@@ -99,10 +100,14 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self._dp = data_parallel  # trainstream.distributed.DataParallel under DDP, else None
         self._shards = sharded  # trainstream.distributed.Sharded under FSDP2, else None
         self._vram_sums = tuning.accumulate_in_vram  # None: the planner's choice per parameter
-        self._resident = ResidentAdamW(engine.device, tuning.threads, tuning.isa)
+        self.eight_bit = eight_bit.is_adamw8bit(source)  # torchao's AdamW8bit: trainstream.eight_bit
+        maps = eight_bit.maps() if self.eight_bit else None
+        if maps is not None:
+            engine.pipeline.set_quantization_maps(maps[0].data_ptr(), maps[1].data_ptr())
+        self._resident = ResidentAdamW(engine.device, tuning.threads, tuning.isa, maps=maps)
         self._pack = True
         self.engine = engine
-        self.slots = Slots(model, accumulation_steps)
+        self.slots = Slots(model, accumulation_steps, eight_bit.Shown(maps))
         self.window = Window()
         self.clipping = Clipping(engine, self.slots, self._resident, max_grad_norm=max_grad_norm,
                                  track_grad_norm=tuning.track_grad_norm, speculative=tuning.speculative_clipping,
@@ -121,7 +126,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self._checkpoint = Checkpoint(engine, self.slots, self.param_groups, data_parallel=data_parallel,
                                       shards=sharded)
         self._reporter = Reporter(engine, self.slots, self.clipping, self.promotion, host_memory=self.host_memory,
-                                  data_parallel=data_parallel, shards=sharded)
+                                  data_parallel=data_parallel, shards=sharded, eight_bit=self.eight_bit)
         self._hooks: list = []
         self._register(model, streamed or [], residents)
         self.pack_gradients = tuning.pack_gradients
@@ -188,21 +193,24 @@ class OffloadedAdamW(torch.optim.Optimizer):
         weight = local_shard(p) if self._shards is not None else p
         peer = owner is not None and owner != self._dp.rank or weight.numel() == 0
         resident = resident and not peer
+        quantized = self.eight_bit and eight_bit.quantizes(weight.numel())
         host = None
         if not peer and (not resident or self.promotion.placement == "auto"):
             # registration order stands in for forward order (embeddings, layers, head); a resident
             # one under "auto" takes its host state only if a plan offloads it
-            host = pipeline.add_param(weight.numel(), DTYPE_NAMES[p.dtype], host_sums, i, with_state=not resident)
+            host = pipeline.add_param(weight.numel(), DTYPE_NAMES[p.dtype], host_sums, i, with_state=not resident,
+                                      moments="8bit" if quantized else "fp32")
             if not resident and weight.device == engine.device:  # (else a streamed one in host memory: see
                 pipeline.load_weights(host, weight.data_ptr(), engine.current_stream())  # Promotion.stream)
-        slot = Slot(p, host, group, weight._version, i, peer=peer, sharded=self._shards is not None)
+        slot = Slot(p, host, group, weight._version, i, peer=peer, sharded=self._shards is not None,
+                    quantized=quantized)
         slot.state = {"step": torch.tensor(0.0)}
         if resident:
             slot.resident = True
-            slot.device_state = ResidentAdamW.new_state(p, acc if self._dp is None else 1)
-            slot.state.update({k: v for k, v in slot.device_state.items() if k != "accumulator"})
+            slot.device_state = ResidentAdamW.new_state(p, acc if self._dp is None else 1, quantized)
+            slot.state.update(self.slots.shown(slot, slot.device_state))
         elif not peer:
-            slot.state.update(engine.host_state(slot))
+            slot.state.update(self.slots.shown(slot, engine.host_state(slot)))
             slot.sum_in_vram = acc > 1 and (self._dp is not None or self._vram_sums is True and p.dtype == torch.float32)
         return slot
 

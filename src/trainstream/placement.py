@@ -55,6 +55,7 @@ class ParamCost:
     need_s: float  # forward: when its module starts, after the forward's start
     arrival_s: float  # backward: when its gradient is complete, after the forward's end
     segment_peak: int  # profiled peak VRAM between the previous gradient's arrival and this one's
+    moment_bytes: float = 8.0  # bytes an element of its two moments: 8 in fp32, 2 + 8/256 in 8 bits
 
 
 @dataclass(frozen=True)
@@ -138,9 +139,10 @@ class Plan:
 def state_bytes(p: ParamCost, acc: int) -> int:
     """VRAM a resident parameter's optimizer holds for the whole step: the moments, and for bf16
     weights the fp32 master (and the fp32 sum of micro-batches)."""
+    moments = round(p.moment_bytes * p.numel)
     if p.element_size == 4:
-        return 8 * p.numel
-    return (12 + (4 if acc > 1 else 0)) * p.numel
+        return moments
+    return moments + (4 + (4 if acc > 1 else 0)) * p.numel
 
 
 def resident_grad_bytes(p: ParamCost, acc: int) -> int:

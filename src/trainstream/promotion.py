@@ -17,6 +17,7 @@ from typing import Callable
 
 import torch
 
+from trainstream import eight_bit
 from trainstream import first_plan as from_shapes
 from trainstream import placement as planner
 from trainstream import progress
@@ -173,7 +174,8 @@ class Promotion:
         blocks = self.pager.blocks if self.pager is not None else []
         tied = shared_outside(blocks, self._model)
         costs = from_shapes.resident_costs([s.weight.numel() for s in order], [s.param.element_size() for s in order],
-                                          self._slots.accumulation_steps)
+                                          self._slots.accumulation_steps,
+                                          [eight_bit.moment_bytes(s.quantized) for s in order])
         weights = from_shapes.model_bytes(self._model)
         shapes = from_shapes.read_shapes(
             self._model, blocks, costs, self._param_blocks(len(blocks)), [j not in tied for j in range(len(blocks))],
@@ -278,7 +280,7 @@ class Promotion:
                 name=self._slots.name(s), numel=0 if s.peer else s.weight.numel(),
                 element_size=s.param.element_size(), block=where,
                 need_s=times["need_s"][s.index], arrival_s=times["arrival_s"][s.index],
-                segment_peak=times["segment_peak"][s.index]))
+                segment_peak=times["segment_peak"][s.index], moment_bytes=eight_bit.moment_bytes(s.quantized)))
         if blocks and times["replayed"]:
             # A recomputed block costs its share of the replayed forward (compute alone), not its
             # time in the profiled step, which the paging there stretched.
@@ -362,12 +364,13 @@ class Promotion:
         p, engine = slot.param, self._engine
         if resident:
             # (under DDP, .grad holds the window's sum: no fp32 sum of micro-batches beside it)
-            state = ResidentAdamW.new_state(p, self._slots.accumulation_steps if self._dp is None else 1)
+            state = ResidentAdamW.new_state(p, self._slots.accumulation_steps if self._dp is None else 1,
+                                            slot.quantized)
             host = engine.host_state(slot)
             for key, value in host.items():  # the host's state (and bf16 master) carries over
                 state[key].copy_(value)
             slot.device_state = state
-            slot.state.update({k: v for k, v in state.items() if k != "accumulator"})
+            slot.state.update(self._slots.shown(slot, state))
             if slot.next_state is not None:
                 self._clipping.forget(slot)
             del host  # (views of buffers given back now)
@@ -378,7 +381,7 @@ class Promotion:
             for key, value in host.items():
                 value.copy_(slot.device_state[key])
             slot.device_state = None
-            slot.state.update(host)
+            slot.state.update(self._slots.shown(slot, host))
             if p.dtype == torch.float32 and not engine.pipeline.upload_terms:
                 engine.pipeline.load_weights(slot.host, p.data_ptr(), engine.current_stream())
         slot.version = p._version

@@ -12,6 +12,7 @@ import math
 
 import torch
 
+from trainstream import eight_bit
 from trainstream._native import _C
 from trainstream.host_adamw import DTYPE_NAMES
 
@@ -130,17 +131,26 @@ class GradientNorms:
 
 
 class ResidentAdamW:
-    def __init__(self, device: torch.device, threads: int = 0, isa: str | None = None) -> None:
+    """`maps`: torchao's two quantization maps (trainstream.eight_bit.maps()) where some
+    parameters keep 8-bit moments."""
+
+    def __init__(self, device: torch.device, threads: int = 0, isa: str | None = None,
+                 maps: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         self.device = device
         self._cuda = device.type == "cuda"
         self._host = None if self._cuda else _C.HostAdamW(threads, isa)
+        self._maps = None if maps is None else tuple(m.to(device) for m in maps)
 
     @staticmethod
-    def new_state(param: torch.Tensor, accumulation_steps: int) -> dict:
-        """Zeroed moments beside the weights; bf16 weights also get their fp32 master (and, with
-        accumulation, an fp32 sum of the micro-batches, as the host sums them)."""
-        state = {"exp_avg": torch.zeros(param.shape, dtype=torch.float32, device=param.device),
-                 "exp_avg_sq": torch.zeros(param.shape, dtype=torch.float32, device=param.device)}
+    def new_state(param: torch.Tensor, accumulation_steps: int, quantized: bool = False) -> dict:
+        """Zeroed moments beside the weights (8-bit codes and scales where `quantized`); bf16
+        weights also get their fp32 master (and, with accumulation, an fp32 sum of the
+        micro-batches, as the host sums them)."""
+        if quantized:
+            state = eight_bit.zeros(param.numel(), param.device)
+        else:
+            state = {"exp_avg": torch.zeros(param.shape, dtype=torch.float32, device=param.device),
+                     "exp_avg_sq": torch.zeros(param.shape, dtype=torch.float32, device=param.device)}
         if param.dtype == torch.bfloat16:
             state["master_param"] = param.detach().float()
             if accumulation_steps > 1:
@@ -188,6 +198,10 @@ class ResidentAdamW:
         """AdamW over (param, gradient, state) triples that share `hyper` (lr, beta1, beta2, eps,
         weight_decay, step, grad_scale, maximize), in place, on the current stream; a
         `device_scale` (clip_scale()) replaces grad_scale."""
+        quantized = [item for item in items if "exp_avg_codes" in item[2]]
+        if quantized:
+            self._update_8bit(quantized, hyper, device_scale)
+            items = [item for item in items if "exp_avg_codes" not in item[2]]
         if not items:
             return
         if not self._cuda:
@@ -208,4 +222,29 @@ class ResidentAdamW:
             [g.data_ptr() for _, g, _ in items], [DTYPE_NAMES[g.dtype] for _, g, _ in items],
             [s["exp_avg"].data_ptr() for _, _, s in items], [s["exp_avg_sq"].data_ptr() for _, _, s in items],
             bf16_out, [p.numel() for p, _, _ in items],
+            device_scale=device_scale.data_ptr() if device_scale is not None else 0, **hyper)
+
+    def _update_8bit(self, items: list[tuple[torch.Tensor, torch.Tensor, dict]], hyper: dict,
+                     device_scale: torch.Tensor | None) -> None:
+        """torchao's AdamW8bit over (param, gradient, state) triples with 8-bit moments: the host
+        engine's 8-bit kernel in CPU mode, device_adamw8bit.cu on CUDA, the same bits."""
+        hyper = {k: v for k, v in hyper.items() if k != "maximize"}  # (AdamW8bit has none)
+        weights, bf16_out = [], []
+        for param, _, state in items:
+            bf16 = param.dtype == torch.bfloat16
+            weights.append((state["master_param"] if bf16 else param).data_ptr())
+            bf16_out.append(param.data_ptr() if bf16 else 0)
+        signed, unsigned = self._maps
+        if not self._cuda:
+            for (param, grad, state), weight, out in zip(items, weights, bf16_out):
+                self._host.step_8bit(weight, grad.data_ptr(), DTYPE_NAMES[grad.dtype], state["exp_avg_codes"].data_ptr(),
+                                     state["exp_avg_scale"].data_ptr(), state["exp_avg_sq_codes"].data_ptr(),
+                                     state["exp_avg_sq_scale"].data_ptr(), signed.data_ptr(), unsigned.data_ptr(),
+                                     param.numel(), param_bf16=out, **hyper)
+            return
+        _C.device_adamw8bit_step(
+            self.device.index, torch.cuda.current_stream(self.device).cuda_stream, weights,
+            [g.data_ptr() for _, g, _ in items], [DTYPE_NAMES[g.dtype] for _, g, _ in items],
+            *([s[key].data_ptr() for _, _, s in items] for key in eight_bit.RAW_KEYS), bf16_out,
+            [p.numel() for p, _, _ in items], signed.data_ptr(), unsigned.data_ptr(),
             device_scale=device_scale.data_ptr() if device_scale is not None else 0, **hyper)

@@ -15,6 +15,7 @@ import torch
 
 from trainstream._native import _C
 from trainstream.distributed import local_shard
+from trainstream.eight_bit import RAW_KEYS, Shown
 from trainstream.host_budget import HostBudget, margin
 
 # fp32 update terms cross to VRAM through a staging buffer of at most this many floats (64 MiB),
@@ -47,6 +48,7 @@ class Slot:
     streamed: bool = False  # offloaded, with its weights in host memory between uses (trainstream.streaming)
     # its last gradient's VRAM, lent to the pipeline for the speculated update term until its commit
     held_term: torch.Tensor | None = None
+    quantized: bool = False  # blockwise 8-bit moments (trainstream.eight_bit), wherever it lives
 
     @property
     def weight(self) -> torch.Tensor:
@@ -66,11 +68,17 @@ class Slot:
 class Slots:
     """The trainable parameters' slots, by parameter and in forward (registration) order."""
 
-    def __init__(self, model: torch.nn.Module, accumulation_steps: int) -> None:
+    def __init__(self, model: torch.nn.Module, accumulation_steps: int, shown: Shown | None = None) -> None:
         self.by_param: dict[torch.nn.Parameter, Slot] = {}
         self.order: list[Slot] = []
         self.accumulation_steps = accumulation_steps
         self._names = {p: n for n, p in model.named_parameters()}
+        self._shown = shown if shown is not None else Shown(None)
+
+    def shown(self, slot: Slot, raw: dict) -> dict:
+        """A slot's host or device state as the optimizer's `state` shows it (torchao's 8-bit
+        tensors for quantized moments; no accumulator)."""
+        return self._shown.state(raw, slot.weight)
 
     def add(self, slot: Slot) -> None:
         self.by_param[slot.param] = slot
@@ -150,9 +158,14 @@ class Engine:
         return torch.frombuffer(host.view(name), dtype=torch.float32).view(like.shape)
 
     def host_state(self, slot: Slot) -> dict:
-        """torch AdamW's state entries as views of the parameter's host buffers."""
-        state = {"exp_avg": self.host_tensor(slot.host, "exp_avg", slot.weight),
-                 "exp_avg_sq": self.host_tensor(slot.host, "exp_avg_sq", slot.weight)}
+        """The parameter's state as views of its host buffers: torch AdamW's entries, or for 8-bit
+        moments their codes and scales (trainstream.eight_bit.RAW_KEYS)."""
+        if slot.quantized:
+            state = {k: torch.frombuffer(slot.host.view(k), dtype=torch.uint8 if k.endswith("codes") else torch.float32)
+                     for k in RAW_KEYS}
+        else:
+            state = {"exp_avg": self.host_tensor(slot.host, "exp_avg", slot.weight),
+                     "exp_avg_sq": self.host_tensor(slot.host, "exp_avg_sq", slot.weight)}
         if slot.param.dtype == torch.bfloat16:  # the fp32 master is what bf16 training resumes from
             state["master_param"] = self.host_tensor(slot.host, "master", slot.weight)
         return state

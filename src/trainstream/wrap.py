@@ -10,6 +10,7 @@ from dataclasses import replace
 
 import torch
 
+from trainstream import eight_bit
 from trainstream._native import _C, require_cuda_build
 from trainstream.activations import ActivationPager
 from trainstream.activations.plan import find_blocks
@@ -50,6 +51,13 @@ def host_bytes_per_param(dtype: torch.dtype, host_accumulator: bool) -> int:
     landing buffer in the weight dtype (bf16 weights also go back up from it), except for fp32
     weights with an accumulator, whose gradients land in it."""
     return _C.OffloadPipeline.state_bytes(1, DTYPE_NAMES[dtype], host_accumulator)
+
+
+def offloaded_state_bytes(p: torch.Tensor, host_accumulator: bool, compact: bool) -> int:
+    """Host bytes of one offloaded parameter's state; `compact`: under torchao's AdamW8bit, whose
+    larger parameters keep 8-bit moments (codes and block scales) in place of fp32 ones."""
+    moments = "8bit" if compact and eight_bit.quantizes(p.numel()) else "fp32"
+    return _C.OffloadPipeline.state_bytes(p.numel(), DTYPE_NAMES[p.dtype], host_accumulator, moments)
 
 
 def wrap(
@@ -111,6 +119,7 @@ def wrap(
             "this optimizer is the one trainstream.wrap() returned: the model is already wrapped. To wrap "
             "it again, call optimizer.remove_hooks() first and wrap a torch.optim.AdamW over its parameters")
     check_optimizer(optimizer)
+    compact = eight_bit.is_adamw8bit(optimizer)
     if max_grad_norm is not None and not (max_grad_norm > 0):
         raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm}")
     if int(accumulation_steps) != accumulation_steps or accumulation_steps < 1:
@@ -125,6 +134,9 @@ def wrap(
     check_not_distributed(model, trainable)
     ddp = data_parallel_of(model)
     sharded = _is_sharded(model)
+    if compact and (ddp is not None or sharded):
+        raise UnsupportedSetupError("torchao's AdamW8bit under DDP or FSDP2 is not supported by TrainStream yet: "
+                                    "wrap a torch.optim.AdamW there, or train on one GPU")
     if ddp is not None:  # each rank places and updates the share it owns (trainstream.distributed)
         check_ddp(ddp, tuning)
     elif sharded:  # each rank offloads the shards it holds
@@ -216,9 +228,10 @@ def wrap(
         streamed = _streamed_blocks(model, tuning.streamed_blocks, stream_from, ddp is not None or sharded)
     residents = resident_at_start(tuning.placement, len(unique))
     if auto and budget is not None and ddp is None and not sharded:  # the first plan's start: first_plan.py
-        residents = _start_residents(model, unique, streamed, budget, int(accumulation_steps), tuning.prefetch_depth)
+        residents = _start_residents(model, unique, streamed, budget, int(accumulation_steps), tuning.prefetch_depth,
+                                     compact)
     if ddp is None and not sharded:  # (before the optimizer pins any of it)
-        _check_host_memory(unique[residents:], host_accumulator, host, streamed)
+        _check_host_memory(unique[residents:], host_accumulator, host, streamed, compact)
     if on_host:
         _place(model, device, streamed)
     data_parallel = DataParallel(ddp, owners) if ddp is not None else None
@@ -340,7 +353,7 @@ def _streamed_to_fit(model: torch.nn.Module, blocks: list[torch.nn.Module], budg
 
 
 def _start_residents(model: torch.nn.Module, params: list[torch.nn.Parameter], streamed: list[torch.nn.Module],
-                     budget: int, accumulation_steps: int, depth: int) -> int:
+                     budget: int, accumulation_steps: int, depth: int, compact: bool) -> int:
     """How many of the first trainable parameters keep their state in VRAM from wrap() on, taking
     no host memory (the first plan may offload some at the first forward): those before any
     streamed block's whose state fits a share of the budget beside the weights."""
@@ -350,7 +363,8 @@ def _start_residents(model: torch.nn.Module, params: list[torch.nn.Parameter], s
     weights = model_bytes(model)
     weights = weights_on_device(weights, sizes, len(sizes), depth)
     costs = resident_costs([p.numel() for p in params[:before]], [p.element_size() for p in params[:before]],
-                           accumulation_steps)
+                           accumulation_steps, [eight_bit.moment_bytes(compact and eight_bit.quantizes(p.numel()))
+                                                for p in params[:before]])
     return start_residents(costs, weights, budget)
 
 
@@ -363,9 +377,9 @@ def streamed_host_bytes(modules: list[torch.nn.Module]) -> int:
 
 
 def _check_host_memory(params: list[torch.Tensor], host_accumulator: bool, budget: HostBudget,
-                       streamed: list[torch.nn.Module] = ()) -> None:
+                       streamed: list[torch.nn.Module] = (), compact: bool = False) -> None:
     """Refuses, before anything is pinned, offloaded state that the host budget cannot hold."""
-    needed = sum(p.numel() * host_bytes_per_param(p.dtype, host_accumulator) for p in params)
+    needed = sum(offloaded_state_bytes(p, host_accumulator, compact) for p in params)
     weights = streamed_host_bytes(list(streamed))
     if budget.limit is not None and needed + weights > budget.limit:
         count = max(sum(p.numel() for p in params), 1)
@@ -373,8 +387,8 @@ def _check_host_memory(params: list[torch.Tensor], host_accumulator: bool, budge
                   if budget.margin else budget.source)
         raise HostMemoryError(
             f"TrainStream needs {(needed + weights) / _GIB:.1f} GiB of host RAM: {needed / _GIB:.1f} GiB for "
-            f"{count / 1e9:.2f}B offloaded parameters ({needed / count:.0f} bytes each: fp32 master weights, "
-            f"two AdamW moments, "
+            f"{count / 1e9:.2f}B offloaded parameters ({needed / count:.1f} bytes each: fp32 master weights, "
+            f"two AdamW moments{' (8-bit where torchao quantizes them)' if compact else ''}, "
             + ("an fp32 accumulator, a landing buffer for bf16 weights' gradients" if host_accumulator
                else "a landing buffer for the gradient") + ")"
             + (f" and {weights / _GIB:.1f} GiB more for the weights of {len(streamed)} streamed blocks (bf16 "

@@ -54,6 +54,10 @@ struct AdamW8bitCoeffs {
   bool m_from_start, v_from_start;
 };
 
+// Validates (std::invalid_argument) `hyper` and rounds its constants as torchao does: what every
+// kernel, the GPU's included (cuda/kernels/device_adamw8bit.cu), computes with.
+AdamW8bitCoeffs adamw8bit_coeffs(const AdamW8bitHyper& hyper);
+
 namespace eight_bit {
 struct QuantTable;
 }

@@ -103,7 +103,9 @@ inline float lerp(float start, float end, float coeff, bool from_start) {
   return std::fma(coeff, end - start, from_start ? start : end);
 }
 
-Coeffs coeffs(const AdamW8bitHyper& h) {
+}  // namespace
+
+AdamW8bitCoeffs adamw8bit_coeffs(const AdamW8bitHyper& h) {
   TS_EXPECTS(std::isfinite(h.lr) && h.lr >= 0, "AdamW8bit: lr must be finite and >= 0");
   TS_EXPECTS(h.beta1 >= 0 && h.beta1 < 1 && h.beta2 >= 0 && h.beta2 < 1, "AdamW8bit: betas must be in [0, 1)");
   TS_EXPECTS(std::isfinite(h.eps) && h.eps >= 0, "AdamW8bit: eps must be finite and >= 0");
@@ -111,7 +113,7 @@ Coeffs coeffs(const AdamW8bitHyper& h) {
   TS_EXPECTS(h.step >= 1, "AdamW8bit: step counts from 1, got " + std::to_string(h.step));
   TS_EXPECTS(std::isfinite(h.grad_scale), "AdamW8bit: grad_scale must be finite");
   const float step = static_cast<float>(h.step);
-  Coeffs c;
+  AdamW8bitCoeffs c;
   c.lr = h.lr;
   c.lr_wd = h.lr * static_cast<float>(h.weight_decay);
   c.bc1 = 1.0f - std::pow(static_cast<float>(h.beta1), step);
@@ -125,6 +127,8 @@ Coeffs coeffs(const AdamW8bitHyper& h) {
   c.v_coeff = c.v_from_start ? wv : wv - 1.0f;
   return c;
 }
+
+namespace {
 
 // Requantizes one block of new moment values into `q` at block `b`.
 void store_block(const float* values, Quantized q, std::size_t b, const float* qmap) {
@@ -179,7 +183,7 @@ AdamW8bitStep::AdamW8bitStep(const AdamW8bitBuffers& buf, const AdamW8bitHyper& 
   }
   TS_EXPECTS(buf.param_bf16 != buf.grad || buf.grad_dtype == DType::bfloat16,
              "AdamW8bit: bf16 weights written into the gradient's buffer need a bf16 gradient");
-  coeffs_ = coeffs(hyper);
+  coeffs_ = adamw8bit_coeffs(hyper);
   signed_table_ = &eight_bit::quant_table(buf.signed_qmap);
   unsigned_table_ = &eight_bit::quant_table(buf.unsigned_qmap);
   kernel_ = isa == Isa::avx512 ? eight_bit::blocks_avx512 : isa == Isa::avx2 ? eight_bit::blocks_avx2 : update_blocks;

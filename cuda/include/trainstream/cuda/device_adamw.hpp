@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "trainstream/adamw.hpp"
+#include "trainstream/adamw8bit.hpp"
 
 namespace trainstream {
 
@@ -28,6 +29,26 @@ struct DeviceAdamWTensor {
 // std::invalid_argument for bad hyperparameters, CudaError if a launch fails.
 void launch_device_adamw(int device, const DeviceAdamWTensor* tensors, std::size_t count, const AdamWHyper& hyper,
                          std::uintptr_t stream, const float* device_scale = nullptr);
+
+// One parameter's device buffers under blockwise 8-bit moments (AdamW8bitBuffers' device twin);
+// numel a positive multiple of kQuantBlock.
+struct DeviceAdamW8bitTensor {
+  float* param = nullptr;
+  const void* grad = nullptr;
+  DType grad_dtype = DType::float32;
+  Quantized exp_avg;
+  Quantized exp_avg_sq;
+  std::uint16_t* param_bf16 = nullptr;
+  std::size_t numel = 0;
+};
+
+// Queues torchao's AdamW8bit update with `hyper` over `count` tensors on `stream` of `device`
+// (cuda/kernels/device_adamw8bit.cu), with the host kernels' roundings and codes: the same bits as
+// adamw8bit_step(). The maps are 256 floats each in device memory; `device_scale` as for
+// launch_device_adamw. Throws std::invalid_argument for bad sizes or hyperparameters.
+void launch_device_adamw8bit(int device, const DeviceAdamW8bitTensor* tensors, std::size_t count,
+                             const AdamW8bitHyper& hyper, const float* signed_qmap, const float* unsigned_qmap,
+                             std::uintptr_t stream, const float* device_scale = nullptr);
 
 // Doubles of scratch launch_squared_norms needs for these sizes: one per norm block, and one more
 // that pack_bf16.hpp's measuring scan counts in (zero before its first use; the scan leaves it so).
