@@ -47,6 +47,8 @@ LABELS = {
     "trainstream+stream8": "TrainStream, the last 8 blocks' weights streamed",
     "deepspeed3": "DeepSpeed ZeRO-3, parameters and optimizer offloaded",
     "trainstream+auto": 'TrainStream, activations="auto"',
+    "trainstream+8bit": "TrainStream, torchao's AdamW8bit",
+    "gpu-adamw+8bit": "torchao's AdamW8bit on the GPU, nothing offloaded",
     "trainstream+paged": "TrainStream, activations paged or recomputed (`+paged`)",
     "trainstream+ckpt": "TrainStream + gradient checkpointing (Hugging Face, non-reentrant)",
     "trainstream+save_on_cpu": "TrainStream + torch.autograd.graph.save_on_cpu(pin_memory=True)",
@@ -620,6 +622,7 @@ TABLES = {
     "host_memory_uncapped": host_memory("host_memory_uncapped"),
     "engine_8bit": engine_8bit("engine_8bit"),
     "host_memory_vocab152k_16gb": host_memory("host_memory_vocab152k_16gb"),
+    "adamw8bit_43b_12gb": host_memory("adamw8bit_43b_12gb"),
 }
 
 # figure -> results file: train_step.py runs drawn as step time and peak VRAM bars

@@ -26,7 +26,6 @@ import sys
 import torch
 
 from trainstream import eight_bit
-
 from trainstream._native import CudaError, NativeError, TrainStreamError, UnsupportedError
 
 SUPPORTED_WEIGHT_DTYPES = (torch.float32, torch.bfloat16)

@@ -82,7 +82,8 @@ def wrap(
             (torch.compile, default mode) before or after wrap(). On several GPUs, the
             DistributedDataParallel model, or the FSDP2 one (fully_shard on the model itself): each
             rank then offloads and updates only its share (trainstream.distributed).
-        optimizer: a torch.optim.AdamW (or Adam without weight decay) over the model's
+        optimizer: a torch.optim.AdamW (or Adam without weight decay), or torchao's AdamW8bit
+            (its update, blockwise 8-bit moments: trainstream.eight_bit), over the model's
             trainable parameters. Its param_groups are shared with the returned optimizer.
         max_grad_norm: clip the global gradient L2 norm to this (as clip_grad_norm_ would).
             Do not call clip_grad_norm_ yourself: gradients may no longer be on the device.
