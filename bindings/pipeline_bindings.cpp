@@ -133,6 +133,14 @@ void bind_pipeline(py::module_& m) {
         if (name == "next_exp_avg" && p->next_exp_avg) return HostView{p, p->next_exp_avg, 4 * p->numel};
         if (name == "next_exp_avg_sq" && p->next_exp_avg_sq) return HostView{p, p->next_exp_avg_sq, 4 * p->numel};
         if (name == "next_master" && p->next_master) return HostView{p, p->next_master, 4 * p->numel};
+        if (name == "next_exp_avg_codes" && p->next_exp_avg8.codes) return HostView{p, p->next_exp_avg8.codes, p->numel};
+        if (name == "next_exp_avg_scale" && p->next_exp_avg8.scale) return HostView{p, p->next_exp_avg8.scale, 4 * blocks};
+        if (name == "next_exp_avg_sq_codes" && p->next_exp_avg_sq8.codes) {
+          return HostView{p, p->next_exp_avg_sq8.codes, p->numel};
+        }
+        if (name == "next_exp_avg_sq_scale" && p->next_exp_avg_sq8.scale) {
+          return HostView{p, p->next_exp_avg_sq8.scale, 4 * blocks};
+        }
         if (name == "weights" && p->keeps_weights_on_host()) {
           if (p->weight_dtype == DType::bfloat16) return HostView{p, p->host_bf16, 2 * p->numel};
           return HostView{p, p->master, 4 * p->numel};
@@ -141,7 +149,7 @@ void bind_pipeline(py::module_& m) {
       }, py::arg("name"), py::keep_alive<0, 1>(),
       "Bytes of one buffer: master, exp_avg, exp_avg_sq (blockwise 8-bit moments: exp_avg_codes, exp_avg_scale, "
       "exp_avg_sq_codes, exp_avg_sq_scale), grad, accumulator, or (with speculation) "
-      "next_exp_avg, next_exp_avg_sq, next_master; with keep_weights_on_host, weights (the weights in their "
+      "next_exp_avg, next_exp_avg_sq (8-bit: next_exp_avg_codes and the rest), next_master; with keep_weights_on_host, weights (the weights in their "
       "dtype). A commit swaps each next_ buffer with its twin.");
 
   py::class_<ClipScale, std::shared_ptr<ClipScale>>(m, "ClipScale",
@@ -275,9 +283,9 @@ void bind_pipeline(py::module_& m) {
              return OffloadPipeline::state_bytes(numel, parse_dtype(dtype), accumulate, parse_moments(moments));
            }, py::arg("numel"), py::arg("weight_dtype"), py::arg("accumulate"), py::arg("moments") = "fp32",
            "Host bytes of an offloaded parameter's state (master, moments, landing buffer, accumulator).")
-      .def_static("speculation_bytes", [](std::size_t numel, const std::string& dtype) {
-             return OffloadPipeline::speculation_bytes(numel, parse_dtype(dtype));
-           }, py::arg("numel"), py::arg("weight_dtype"))
+      .def_static("speculation_bytes", [](std::size_t numel, const std::string& dtype, const std::string& moments) {
+             return OffloadPipeline::speculation_bytes(numel, parse_dtype(dtype), parse_moments(moments));
+           }, py::arg("numel"), py::arg("weight_dtype"), py::arg("moments") = "fp32")
       .def("land_scale", [](OffloadPipeline& o, std::uintptr_t verdict, std::uintptr_t stream) {
              py::gil_scoped_release release;
              return o.land_scale(verdict, stream);

@@ -121,9 +121,12 @@ std::size_t OffloadPipeline::release_state(HostParam& p) {
   arena.release(p.accumulator, 4 * numel);
   arena.release(p.inexact_, sizeof(std::uint32_t));
   arena.release(p.next_bf16, 2 * numel);
-  for (Quantized* q : {&p.exp_avg8, &p.exp_avg_sq8}) {
-    arena.release(q->codes, numel);
-    arena.release(q->scale, 4 * (numel / kQuantBlock));
+  const auto give_back = [&](void* block, std::size_t bytes) {
+    if (block != nullptr) (spare_.owns(block) ? spare_ : arena).release(block, bytes);
+  };
+  for (Quantized* q : {&p.exp_avg8, &p.exp_avg_sq8, &p.next_exp_avg8, &p.next_exp_avg_sq8}) {
+    give_back(q->codes, numel);
+    give_back(q->scale, 4 * (numel / kQuantBlock));
     *q = Quantized{};
   }
   p.master = p.exp_avg = p.exp_avg_sq = p.accumulator = nullptr;

@@ -68,10 +68,11 @@ class Clipping:
     def speculates(self, slot: Slot) -> bool:
         """Whether this slot's update may start before the global norm is known: it has next-state
         buffers, and the update reads a gradient the device measured (not a host sum), and
-        writes no state without a twin (fp32 masters are state when update terms are off)."""
+        writes no state without a twin (fp32 masters are state when update terms are off; under
+        8-bit moments the master has its twin)."""
         return (slot.next_state is not None and slot.offloaded and not slot.streamed
                 and not self._slots.sums_on_host(slot)
-                and (slot.param.dtype == torch.bfloat16 or self._engine.pipeline.upload_terms))
+                and (slot.param.dtype == torch.bfloat16 or slot.quantized or self._engine.pipeline.upload_terms))
 
     def recount(self) -> None:
         self._counts["params"] = sum(self.speculates(s) for s in self._slots.order)
@@ -96,10 +97,9 @@ class Clipping:
         room = self._engine.host_room(self._host_held()) - paged_bytes
         pipeline, host_tensor = self._engine.pipeline, self._engine.host_tensor
         for s in reversed(self._slots.order):
-            if (s.next_state is not None or not s.offloaded or s.streamed or self._slots.sums_on_host(s)
-                    or s.quantized):  # (8-bit moments wait for the norm: no second set of codes yet)
+            if s.next_state is not None or not s.offloaded or s.streamed or self._slots.sums_on_host(s):
                 continue
-            need = pipeline.speculation_bytes(s.weight.numel(), DTYPE_NAMES[s.param.dtype])
+            need = self._speculation_bytes(s)
             if need > room:
                 continue
             try:
@@ -109,8 +109,11 @@ class Clipping:
                             "of the parameters without one wait for the global norm", e)
                 break
             room -= need
-            s.next_state = {"exp_avg": host_tensor(s.host, "next_exp_avg", s.weight),
-                            "exp_avg_sq": host_tensor(s.host, "next_exp_avg_sq", s.weight)}
+            if s.quantized:  # (as the optimizer's state shows it: see Slots.shown)
+                s.next_state = self._slots.shown(s, self._engine.host_codes(s.host, "next_"))
+            else:
+                s.next_state = {"exp_avg": host_tensor(s.host, "next_exp_avg", s.weight),
+                                "exp_avg_sq": host_tensor(s.host, "next_exp_avg_sq", s.weight)}
             if s.param.dtype == torch.bfloat16:
                 s.next_state["master_param"] = host_tensor(s.host, "next_master", s.weight)
         self.recount()
@@ -118,10 +121,13 @@ class Clipping:
 
     def forget(self, slot: Slot) -> None:
         """`slot` became resident: its second state set goes with its host state."""
-        self._counts["host_bytes"] -= self._engine.pipeline.speculation_bytes(slot.weight.numel(),
-                                                                             DTYPE_NAMES[slot.param.dtype])
+        self._counts["host_bytes"] -= self._speculation_bytes(slot)
         slot.next_state = None
         self.recount()
+
+    def _speculation_bytes(self, slot: Slot) -> int:
+        return self._engine.pipeline.speculation_bytes(slot.weight.numel(), DTYPE_NAMES[slot.param.dtype],
+                                                       "8bit" if slot.quantized else "fp32")
 
     def plan_term_holding(self) -> None:
         """Whether speculated fp32 update terms go up at once, each into its gradient's VRAM, kept

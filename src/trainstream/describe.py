@@ -79,8 +79,7 @@ class Reporter:
         share = sum(s.weight.numel() for s in quantized) / max(numel, 1)
         return (f"optimizer: torchao AdamW8bit: {len(quantized)} parameters ({share:.1%} of the elements) keep "
                 f"blockwise 8-bit moments, the other {len(order) - len(quantized)} (under {eight_bit.MIN_QUANTIZED} "
-                f"elements or not whole blocks of {eight_bit.BLOCK_SIZE}) fp32 moments; updates wait for the global "
-                f"norm under clipping")
+                f"elements or not whole blocks of {eight_bit.BLOCK_SIZE}) fp32 moments")
 
     def _clipping_line(self) -> str:
         """How many offloaded updates start before the global norm is known, what that holds, and

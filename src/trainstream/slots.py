@@ -157,12 +157,18 @@ class Engine:
         """A view of one of a HostParam's fp32 buffers, shaped as `like`."""
         return torch.frombuffer(host.view(name), dtype=torch.float32).view(like.shape)
 
+    @staticmethod
+    def host_codes(host, prefix: str = "") -> dict:
+        """A HostParam's 8-bit moments (RAW_KEYS) as views of its buffers; `prefix` "next_":
+        speculation's second set."""
+        return {k: torch.frombuffer(host.view(prefix + k), dtype=torch.uint8 if k.endswith("codes") else torch.float32)
+                for k in RAW_KEYS}
+
     def host_state(self, slot: Slot) -> dict:
         """The parameter's state as views of its host buffers: torch AdamW's entries, or for 8-bit
         moments their codes and scales (trainstream.eight_bit.RAW_KEYS)."""
         if slot.quantized:
-            state = {k: torch.frombuffer(slot.host.view(k), dtype=torch.uint8 if k.endswith("codes") else torch.float32)
-                     for k in RAW_KEYS}
+            state = self.host_codes(slot.host)
         else:
             state = {"exp_avg": self.host_tensor(slot.host, "exp_avg", slot.weight),
                      "exp_avg_sq": self.host_tensor(slot.host, "exp_avg_sq", slot.weight)}

@@ -279,6 +279,53 @@ TEST_CASE("every 8-bit kernel encodes as the scalar search does, on maps of any 
   }
 }
 
+TEST_CASE("8-bit updates out of place write the in-place results and leave what they read untouched") {
+  std::vector<float> map(256), unsigned_map(256);
+  for (int i = 0; i < 256; ++i) {
+    const float u = -1.0f + 2.0f * static_cast<float>(i) / 255.0f;
+    map[i] = std::copysign(u * u * u, u);
+    unsigned_map[i] = std::pow(static_cast<float>(i) / 255.0f, 3.0f);
+  }
+  const std::size_t n = 5 * kQuantBlock, blocks = n / kQuantBlock;
+  std::vector<float> g(n);
+  for (std::size_t i = 0; i < n; ++i) g[i] = std::sin(0.7f * static_cast<float>(i)) * (1.0f + i % 17);
+  for (Isa isa : {Isa::scalar, Isa::avx2, Isa::avx512}) {
+    if (!isa_supported(isa)) {
+      skip(std::string(isa_name(isa)) + " 8-bit out of place", "this CPU lacks it");
+      continue;
+    }
+    std::vector<float> p_in(n, 0.5f), p_out(n, 0.0f), s_in(2 * blocks, 0.25f), s_out(2 * blocks, 0.0f);
+    std::vector<std::uint8_t> c_in(2 * n, 140), c_out(2 * n, 0);
+    std::vector<float> p_ref = p_in, s_ref = s_in;
+    std::vector<std::uint8_t> c_ref = c_in;
+    const auto buffers = [&](float* p, float* s, std::uint8_t* c) {
+      AdamW8bitBuffers b;
+      b.param = p;
+      b.grad = g.data();
+      b.exp_avg = {c, s};
+      b.exp_avg_sq = {c + n, s + blocks};
+      b.signed_qmap = map.data();
+      b.unsigned_qmap = unsigned_map.data();
+      b.numel = n;
+      return b;
+    };
+    ThreadPool pool(2);
+    AdamW8bitHyper h;
+    h.step = 3;
+    adamw8bit_step(pool, buffers(p_ref.data(), s_ref.data(), c_ref.data()), h, isa);
+    AdamW8bitBuffers b = buffers(p_in.data(), s_in.data(), c_in.data());
+    b.param_out = p_out.data();
+    b.exp_avg_out = {c_out.data(), s_out.data()};
+    b.exp_avg_sq_out = {c_out.data() + n, s_out.data() + blocks};
+    adamw8bit_step(pool, b, h, isa);
+    CHECK(p_out == p_ref && s_out == s_ref && c_out == c_ref);
+    CHECK(p_in == std::vector<float>(n, 0.5f) && c_in == std::vector<std::uint8_t>(2 * n, 140));
+    AdamW8bitBuffers half = buffers(p_in.data(), s_in.data(), c_in.data());
+    half.param_out = p_out.data();  // the weights out of place, the moments in place: refused
+    CHECK_THROWS_AS(adamw8bit_step(pool, half, h, isa), std::invalid_argument);
+  }
+}
+
 TEST_CASE("every supported vector kernel matches the scalar kernel bit for bit") {
   for (Isa isa : kVectorIsas) {
     if (!isa_supported(isa)) {

@@ -1033,7 +1033,7 @@ TEST_CASE("8-bit moments update as adamw8bit_step does, in chunks across threads
   }
 }
 
-TEST_CASE("8-bit moments are refused without maps, for partial blocks, and for speculation") {
+TEST_CASE("8-bit moments are refused without maps, for partial blocks, and when maximizing") {
   Rig rig;
   CHECK_THROWS_AS(rig.pipeline->add_param(4096, DType::float32, false, 0, true, Moments::blockwise8),
                   std::invalid_argument);
@@ -1043,13 +1043,78 @@ TEST_CASE("8-bit moments are refused without maps, for partial blocks, and for s
   CHECK_THROWS_AS(rig.pipeline->add_param(4100, DType::float32, false, 0, true, Moments::blockwise8),
                   std::invalid_argument);
   auto p = rig.pipeline->add_param(4096, DType::bfloat16, false, 0, true, Moments::blockwise8);
-  CHECK_THROWS_AS(rig.pipeline->enable_speculation(*p), std::invalid_argument);
   std::vector<std::uint16_t> weight(4096), grad(4096);
   GradJob job = update_job(addr(weight.data()));
   job.hyper.maximize = true;
   rig.pipeline->land_gradient(p, addr(grad.data()), 0, job);
   rig.transfer->land_all();
   CHECK_THROWS_AS(rig.pipeline->synchronize(), std::invalid_argument);
+}
+
+TEST_CASE("8-bit moments speculate: a commit gives the waiting path's bits, a redo starts from untouched state") {
+  const std::vector<float> signed_map = test_map(true), unsigned_map = test_map(false);
+  const std::size_t n = 3 * 4096 + 256;
+  for (DType dtype : {DType::float32, DType::bfloat16}) {
+    Rig waiting(std::size_t(1) << 30, true, 3), speculating(std::size_t(1) << 30, true, 3);
+    Rig* rigs[2] = {&waiting, &speculating};
+    std::vector<std::vector<unsigned char>> weights;
+    std::vector<std::shared_ptr<HostParam>> params;
+    for (Rig* rig : rigs) {
+      rig->pipeline->set_quantization_maps(signed_map.data(), unsigned_map.data());
+      weights.push_back(device_buffer(dtype, n, grad_value, 99));
+      params.push_back(rig->pipeline->add_param(n, dtype, false, 0, true, Moments::blockwise8));
+      rig->pipeline->load_weights(*params.back(), addr(weights.back().data()), 0);
+    }
+    HostParam& p = *params[1];
+    const std::size_t bytes = speculating.pipeline->enable_speculation(p);
+    CHECK(bytes == OffloadPipeline::speculation_bytes(n, dtype, Moments::blockwise8));
+    CHECK(bytes < OffloadPipeline::speculation_bytes(n, dtype));  // a second set of codes, not of floats
+    CHECK(p.has_next_state() && p.next_exp_avg8.codes != nullptr && p.next_master != nullptr);
+    const double scales[] = {1.0, 0.25, 1.0, 0.5};  // hit, miss, hit, miss
+    for (int step = 1; step <= 4; ++step) {
+      const double scale = scales[step - 1];
+      auto grad = device_buffer(dtype, n, grad_value, step);
+      GradJob job = update_job(addr(weights[0].data()));
+      job.hyper.step = step;
+      job.hyper.weight_decay = 0.1;
+      job.hyper.grad_scale = scale;
+      waiting.pipeline->land_gradient(params[0], addr(grad.data()), 0, job);
+      waiting.transfer->land_all();
+      waiting.pipeline->synchronize();
+
+      const std::vector<std::uint8_t> codes0(p.exp_avg8.codes, p.exp_avg8.codes + n);
+      const std::vector<float> master0(p.master, p.master + n);
+      const std::vector<unsigned char> w0 = weights[1];
+      GradJob spec = job;
+      spec.device_weight = addr(weights[1].data());
+      spec.hyper.grad_scale = 1.0;
+      spec.speculate = true;
+      speculating.pipeline->land_gradient(params[1], addr(grad.data()), 0, spec);
+      speculating.transfer->land_all();
+      speculating.pipeline->synchronize();
+      // nothing committed: the state as it was; fp32 weights wait for the commit, bf16 ones went up
+      CHECK(std::memcmp(codes0.data(), p.exp_avg8.codes, n) == 0);
+      CHECK(std::memcmp(master0.data(), p.master, 4 * n) == 0);
+      if (dtype == DType::float32) CHECK(weights[1] == w0);
+      if (scale == 1.0) {
+        speculating.pipeline->commit({params[1]}, {spec.device_weight}, nullptr);
+      } else {
+        GradJob redo = spec;
+        redo.speculate = false;
+        redo.hyper.grad_scale = scale;
+        speculating.pipeline->submit(params[1], redo);
+      }
+      speculating.pipeline->synchronize();
+      CHECK(weights[0] == weights[1]);
+      CHECK(std::memcmp(params[0]->master, p.master, 4 * n) == 0);
+      CHECK(std::memcmp(params[0]->exp_avg8.codes, p.exp_avg8.codes, n) == 0);
+      CHECK(std::memcmp(params[0]->exp_avg_sq8.codes, p.exp_avg_sq8.codes, n) == 0);
+      CHECK(std::memcmp(params[0]->exp_avg_sq8.scale, p.exp_avg_sq8.scale, 4 * (n / kQuantBlock)) == 0);
+    }
+    const std::size_t held = OffloadPipeline::state_bytes(p);
+    CHECK(speculating.pipeline->release_state(p) == held);  // (each buffer back where it came from)
+    CHECK(!p.has_next_state());
+  }
 }
 
 TS_TEST_MAIN

@@ -33,6 +33,11 @@ struct AdamW8bitBuffers {
   // gradient is bf16 (each element's gradient is read before its weight is written).
   std::uint16_t* param_bf16 = nullptr;
   std::size_t numel = 0;  // a positive multiple of kQuantBlock
+  // Optional: where the new moments and weights go, leaving the ones read untouched (a
+  // speculative update's second state set). Null: in place. AdamW8bitStep resolves them.
+  Quantized exp_avg_out;
+  Quantized exp_avg_sq_out;
+  float* param_out = nullptr;
 };
 
 // torchao keeps lr in an fp32 tensor and the step count in an fp32 tensor; the bias corrections

@@ -53,8 +53,10 @@ class HostParam {
   // above untouched until a commit swaps the two sets. Null until enabled.
   float* next_exp_avg = nullptr;
   float* next_exp_avg_sq = nullptr;
-  float* next_master = nullptr;
+  float* next_master = nullptr;  // (8-bit moments: for fp32 weights too, whose master is state)
   std::uint16_t* next_bf16 = nullptr;
+  Quantized next_exp_avg8;  // Moments::blockwise8: the second set of codes and scales
+  Quantized next_exp_avg_sq8;
   // Weights kept in host memory (OffloadPipeline::keep_weights_on_host): bf16 weights' rounding is
   // written here by each update instead of into the landing buffer, where the next gradient would
   // overwrite it. Null unless kept (fp32 weights need none: the master is the weights).
@@ -72,6 +74,8 @@ class HostParam {
   // False once OffloadPipeline::release_state gave its buffers back (the parameter is resident),
   // until take_state takes new ones.
   bool holds_state() const { return master != nullptr; }
+  // Whether enable_speculation gave it a second state set.
+  bool has_next_state() const { return next_exp_avg != nullptr || next_exp_avg8.codes != nullptr; }
 
  private:
   friend class OffloadPipeline;
@@ -320,8 +324,8 @@ class OffloadPipeline {
   // the state) apart from the arena, which counts state only; touched here so that the first
   // speculative update takes no page faults.
   std::size_t enable_speculation(HostParam& p);
-  // Host bytes enable_speculation takes for a parameter of this size and weight dtype.
-  static std::size_t speculation_bytes(std::size_t numel, DType weight_dtype);
+  // Host bytes enable_speculation takes for a parameter of this size, weight dtype and moments.
+  static std::size_t speculation_bytes(std::size_t numel, DType weight_dtype, Moments moments = Moments::fp32);
 
   // Queues the download of one window's clip verdict, two doubles in device memory (the
   // coefficient, rounded to float, and the global norm) written by work queued on

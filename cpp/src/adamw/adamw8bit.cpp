@@ -156,11 +156,11 @@ void update_blocks(const AdamW8bitBuffers& buf, const Coeffs& c, const eight_bit
       const float decayed = p - c.lr_wd * p;
       const float denom = std::sqrt(v[i]) / c.bc2_sqrt + c.eps;
       const float updated = decayed - c.lr * (m[i] / c.bc1) / denom;
-      buf.param[at + i] = updated;
+      buf.param_out[at + i] = updated;
       if (buf.param_bf16) buf.param_bf16[at + i] = float_to_bf16(updated);
     }
-    store_block(m, buf.exp_avg, b, buf.signed_qmap);
-    store_block(v, buf.exp_avg_sq, b, buf.unsigned_qmap);
+    store_block(m, buf.exp_avg_out, b, buf.signed_qmap);
+    store_block(v, buf.exp_avg_sq_out, b, buf.unsigned_qmap);
   }
 }
 
@@ -183,6 +183,15 @@ AdamW8bitStep::AdamW8bitStep(const AdamW8bitBuffers& buf, const AdamW8bitHyper& 
   }
   TS_EXPECTS(buf.param_bf16 != buf.grad || buf.grad_dtype == DType::bfloat16,
              "AdamW8bit: bf16 weights written into the gradient's buffer need a bf16 gradient");
+  const bool in_place = !buf.param_out && !buf.exp_avg_out.codes && !buf.exp_avg_sq_out.codes;
+  TS_EXPECTS(in_place || (buf.param_out && buf.exp_avg_out.codes && buf.exp_avg_out.scale && buf.exp_avg_sq_out.codes &&
+                          buf.exp_avg_sq_out.scale),
+             "AdamW8bit: the weights and both moments go out of place together, or none");
+  if (in_place) {  // (the kernels always write through the _out pointers)
+    buffers_.param_out = buf.param;
+    buffers_.exp_avg_out = buf.exp_avg;
+    buffers_.exp_avg_sq_out = buf.exp_avg_sq;
+  }
   coeffs_ = adamw8bit_coeffs(hyper);
   signed_table_ = &eight_bit::quant_table(buf.signed_qmap);
   unsigned_table_ = &eight_bit::quant_table(buf.unsigned_qmap);

@@ -83,11 +83,11 @@ void blocks_avx2(const AdamW8bitBuffers& buf, const Coeffs& c, const QuantTable&
       const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v1), bc2_sqrt), eps);
       const __m256 step = _mm256_div_ps(_mm256_mul_ps(lr, _mm256_div_ps(m1, bc1)), denom);
       const __m256 updated = _mm256_sub_ps(decayed, step);
-      _mm256_storeu_ps(buf.param + e, updated);
+      _mm256_storeu_ps(buf.param_out + e, updated);
       if (buf.param_bf16) _mm_storeu_si128(reinterpret_cast<__m128i*>(buf.param_bf16 + e), simd::to_bf16(updated));
     }
-    store_block(m, m_max, buf.exp_avg, b, signed_table);
-    store_block(v, v_max, buf.exp_avg_sq, b, unsigned_table);
+    store_block(m, m_max, buf.exp_avg_out, b, signed_table);
+    store_block(v, v_max, buf.exp_avg_sq_out, b, unsigned_table);
   }
 }
 

@@ -105,11 +105,11 @@ void blocks_avx512(const AdamW8bitBuffers& buf, const Coeffs& c, const QuantTabl
       const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v1), bc2_sqrt), eps);
       const __m512 step = _mm512_div_ps(_mm512_mul_ps(lr, _mm512_div_ps(m1, bc1)), denom);
       const __m512 updated = _mm512_sub_ps(decayed, step);
-      _mm512_storeu_ps(buf.param + e, updated);
+      _mm512_storeu_ps(buf.param_out + e, updated);
       if (buf.param_bf16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(buf.param_bf16 + e), simd::to_bf16(updated));
     }
-    store_block(m, m_max, buf.exp_avg, b, signed_table);
-    store_block(v, v_max, buf.exp_avg_sq, b, unsigned_table);
+    store_block(m, m_max, buf.exp_avg_out, b, signed_table);
+    store_block(v, v_max, buf.exp_avg_sq_out, b, unsigned_table);
   }
 }
 

@@ -14,7 +14,7 @@ void OffloadPipeline::check_job(const HostParam& p, const GradJob& job, bool lan
   TS_EXPECTS(!(job.accumulate || job.from_accumulator) || p.accumulator,
              "OffloadPipeline: accumulation requested for a parameter without an accumulator");
   TS_EXPECTS(!job.speculate || !p.keeps_weights_, "OffloadPipeline: weights kept on the host do not speculate");
-  TS_EXPECTS(!(job.speculate || job.commit) || p.next_exp_avg,
+  TS_EXPECTS(!(job.speculate || job.commit) || p.has_next_state(),
              "OffloadPipeline: speculation requested for a parameter without next-state buffers "
              "(enable_speculation)");
   TS_EXPECTS(!job.speculate || job.update, "OffloadPipeline: a speculative job must be an update");

@@ -7,10 +7,14 @@
 
 namespace trainstream {
 
-std::size_t OffloadPipeline::speculation_bytes(std::size_t numel, DType weight_dtype) {
-  std::size_t bytes = 2 * HostArena::rounded(4 * numel);
-  if (weight_dtype == DType::bfloat16) bytes += HostArena::rounded(4 * numel) + HostArena::rounded(2 * numel);
-  return bytes;
+std::size_t OffloadPipeline::speculation_bytes(std::size_t numel, DType weight_dtype, Moments moments) {
+  const bool bf16 = weight_dtype == DType::bfloat16;
+  std::size_t bytes = bf16 ? HostArena::rounded(2 * numel) : 0;
+  if (moments == Moments::blockwise8) {  // codes and scales, and the master, which is state either way
+    return bytes + 2 * (HostArena::rounded(numel) + HostArena::rounded(4 * (numel / kQuantBlock))) +
+           HostArena::rounded(4 * numel);
+  }
+  return bytes + 2 * HostArena::rounded(4 * numel) + (bf16 ? HostArena::rounded(4 * numel) : 0);
 }
 
 std::size_t OffloadPipeline::enable_speculation(HostParam& p) {
@@ -18,29 +22,35 @@ std::size_t OffloadPipeline::enable_speculation(HostParam& p) {
     std::unique_lock<std::mutex> lock(mutex_);
     wait_idle(p, lock);  // no job may be reading the pointers set below
     TS_EXPECTS(!p.keeps_weights_, "OffloadPipeline: weights kept on the host do not speculate");
-    TS_EXPECTS(p.moments == Moments::fp32, "OffloadPipeline: blockwise 8-bit moments do not speculate (yet)");
     TS_EXPECTS(p.holds_state(), kReleased);
-    if (p.next_exp_avg) return 0;
+    if (p.has_next_state()) return 0;
   }
   const auto touched = [&](std::size_t bytes) {
     void* block = spare_.allocate(bytes);
     zero_fill(engine_.pool(), block, bytes);
-    return static_cast<float*>(block);
+    return block;
   };
-  float* m = touched(4 * p.numel);
-  float* v = touched(4 * p.numel);
-  float* master = nullptr;
-  std::uint16_t* bf16 = nullptr;
-  if (p.weight_dtype == DType::bfloat16) {
-    master = touched(4 * p.numel);
-    bf16 = static_cast<std::uint16_t*>(transfer_->arena().allocate(2 * p.numel));
+  const bool compact = p.moments == Moments::blockwise8, bf16 = p.weight_dtype == DType::bfloat16;
+  const std::size_t n = p.numel;
+  float* m = compact ? nullptr : static_cast<float*>(touched(4 * n));
+  float* v = compact ? nullptr : static_cast<float*>(touched(4 * n));
+  Quantized m8, v8;
+  if (compact) {
+    for (Quantized* q : {&m8, &v8}) {
+      q->codes = static_cast<std::uint8_t*>(touched(n));
+      q->scale = static_cast<float*>(touched(4 * (n / kQuantBlock)));
+    }
   }
+  float* master = bf16 || compact ? static_cast<float*>(touched(4 * n)) : nullptr;
+  std::uint16_t* rounded = bf16 ? static_cast<std::uint16_t*>(transfer_->arena().allocate(2 * n)) : nullptr;
   std::lock_guard<std::mutex> lock(mutex_);
   p.next_exp_avg = m;
   p.next_exp_avg_sq = v;
+  p.next_exp_avg8 = m8;
+  p.next_exp_avg_sq8 = v8;
   p.next_master = master;
-  p.next_bf16 = bf16;
-  return speculation_bytes(p.numel, p.weight_dtype);
+  p.next_bf16 = rounded;
+  return speculation_bytes(n, p.weight_dtype, p.moments);
 }
 
 void OffloadPipeline::commit(const std::vector<std::shared_ptr<HostParam>>& params,

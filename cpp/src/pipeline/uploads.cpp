@@ -68,6 +68,7 @@ std::size_t OffloadPipeline::upload_weights(const Task& task) {
     return bytes;
   }
   if (!task.job.update && !commit_uploads(p)) return 0;  // (bf16 weights go up from an update's rounding)
+  if (task.job.speculate && p.weight_dtype == DType::float32) return 0;  // (8-bit moments: the commit uploads the master)
   if (p.weight_dtype == DType::bfloat16) {
     transfer_->upload(*p.slot_, device, task.buffers.param_bf16, p.weight_bytes());
   } else {

@@ -184,6 +184,12 @@ void OffloadPipeline::start_8bit(Task& task) {
   if (p.weight_dtype == DType::bfloat16) {  // (up from the landing buffer, as an exact update's)
     b.param_bf16 = p.keeps_weights_ ? p.host_bf16 : static_cast<std::uint16_t*>(p.grad);
   }
+  if (task.job.speculate || task.job.commit) {  // into the second set (a redo too), as an exact update
+    b.param_out = p.next_master;
+    b.exp_avg_out = p.next_exp_avg8;
+    b.exp_avg_sq_out = p.next_exp_avg_sq8;
+    if (task.job.speculate && b.param_bf16) b.param_bf16 = p.next_bf16;
+  }
   b.numel = p.numel;
   task.buffers.param_bf16 = b.param_bf16;
   AdamW8bitHyper hyper;  // torchao keeps lr and the step count as fp32 tensors
@@ -240,7 +246,9 @@ std::size_t OffloadPipeline::finish(Task& task) {
     // no other job reads these pointers now.
     std::swap(p.exp_avg, p.next_exp_avg);
     std::swap(p.exp_avg_sq, p.next_exp_avg_sq);
-    if (p.weight_dtype == DType::bfloat16) std::swap(p.master, p.next_master);
+    std::swap(p.exp_avg8, p.next_exp_avg8);
+    std::swap(p.exp_avg_sq8, p.next_exp_avg_sq8);
+    if (p.next_master) std::swap(p.master, p.next_master);  // (bf16 weights, or 8-bit moments)
   }
   return upload_weights(task);
 }
