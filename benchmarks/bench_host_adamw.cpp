@@ -9,7 +9,8 @@
 // pipeline does for fp32 weights): p is not read, so 4 B less. The blockwise 8-bit update
 // (output "8bit": torchao's AdamW8bit over an fp32 master) reads p, g and the two moments' codes
 // and writes p and the codes: 16 B with an fp32 gradient, 14 B with a bf16 one (+ 1/32 B of
-// block scales).
+// block scales). "8bit-sr" (bf16_stochastic_round: bf16 weights without a master, bf16 gradient)
+// reads and writes 2 B weights instead: 10 B.
 //
 // Memory: the four fp32 buffers, 16 N bytes (the bf16 gradient reuses the fp32 gradient's
 // memory), and the triad's three arrays of T = max(N/2, 64M) floats, 12 T bytes: 64M floats
@@ -45,6 +46,7 @@ constexpr double kBytesBf16Grad = 26.0;  // p r/w 8, g 2, m r/w 8, v r/w 8
 constexpr double kBytesTermSaved = 4.0;   // term_only: p written, not read
 constexpr double kBytes8bitSaved = 12.0;  // 8-bit moments: codes r/w 4 instead of fp32 r/w 16
 constexpr double kBytesScales = 16.0 / kQuantBlock;  // two scales read and written a block
+constexpr double kBytesMasterSaved = 4.0;  // 8bit-sr: bf16 weights r/w 4 instead of fp32 r/w 8
 
 struct Options {
   std::size_t params = std::size_t(1) << 28;
@@ -271,6 +273,8 @@ double median_8bit_step_seconds(HostAdamW& engine, const AdamW8bitBuffers& buffe
   AdamW8bitHyper hyper;
   hyper.lr = 1e-4f;
   hyper.weight_decay = 0.01;
+  hyper.stochastic_round = buffers.param16 != nullptr;
+  hyper.seed = 1;
   return median_seconds(repeats, [&](int step) {
     hyper.step = step;
     adamw8bit_step(engine.pool(), buffers, hyper, engine.isa());
@@ -282,7 +286,7 @@ struct Row {
   std::size_t threads;
   std::string grad;
   // "weights" (p updated in place), "term" (term_only), "next" (term, moments out of place) or
-  // "8bit" (p updated in place, blockwise 8-bit moments)
+  // "8bit" (p updated in place, blockwise 8-bit moments) or "8bit-sr" (bf16 p, no master)
   std::string output;
   double bytes_per_param;
   double ns_per_param;
@@ -454,6 +458,21 @@ int run(const Options& o) {
         const double seconds = median_8bit_step_seconds(*engine, buffers8, o.repeats);
         report({isa_name(engine->isa()), threads, grad_dtype == DType::float32 ? "fp32" : "bf16", "8bit", bytes,
                 seconds * 1e9 / n8, bytes * n8 / seconds / 1e9, triad_gbps});
+      }
+      if (grad_dtype == DType::bfloat16) {  // bf16 weights without a master, rounded stochastically
+        std::unique_ptr<std::uint16_t[]> weights16(new std::uint16_t[n8]);
+        for_chunks(engines.front()->pool(), n8, [&](std::size_t begin, std::size_t end) {
+          for (std::size_t i = begin; i < end; ++i) weights16[i] = float_to_bf16(state.param[i]);
+        });
+        AdamW8bitBuffers sr = buffers8;
+        sr.param = nullptr;
+        sr.param16 = weights16.get();
+        const double sr_bytes = bytes - kBytesMasterSaved;
+        for (auto& engine : engines) {
+          const double seconds = median_8bit_step_seconds(*engine, sr, o.repeats);
+          report({isa_name(engine->isa()), threads, "bf16", "8bit-sr", sr_bytes, seconds * 1e9 / n8,
+                  sr_bytes * n8 / seconds / 1e9, triad_gbps});
+        }
       }
     }
   }

@@ -3,15 +3,16 @@ Python standard library's own source, byte by byte, and writes its loss curve.
 
 Run each mode in a fresh process, same seed and data order, then plot them together:
 
-    for mode in stock trainstream trainstream-8bit torchao-8bit; do
+    for mode in stock trainstream trainstream-8bit trainstream-8bit-sr torchao-8bit; do
         python benchmarks/convergence.py --mode $mode --json out/convergence_$mode.json
     done
     python benchmarks/convergence.py --plot docs/img/convergence.png out/convergence_*.json
 
 Modes: `stock` is torch's fused AdamW on the GPU with clip_grad_norm_; `trainstream` wraps
 torch.optim.AdamW, `trainstream-8bit` torchao's AdamW8bit (clip 1.0 through max_grad_norm, every
-parameter offloaded, so the host engine runs each update); `torchao-8bit` is torchao's AdamW8bit
-on the GPU, as torchao runs it. The data is every .py file under the standard library (sorted,
+parameter offloaded, so the host engine runs each update), `trainstream-8bit-sr` the same with
+bf16 weights and bf16_stochastic_round=True (no fp32 master); `torchao-8bit` is torchao's
+AdamW8bit on the GPU, as torchao runs it. The others keep fp32 weights under bf16 autocast. The data is every .py file under the standard library (sorted,
 joined, bytes as tokens), 1% held out; each step draws the same batches in every mode.
 """
 
@@ -26,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-MODES = ("stock", "trainstream", "trainstream-8bit", "torchao-8bit")
+MODES = ("stock", "trainstream", "trainstream-8bit", "trainstream-8bit-sr", "torchao-8bit")
 
 
 def corpus() -> torch.Tensor:
@@ -66,7 +67,9 @@ def run(args) -> dict:
     else:
         from torchao.optim import AdamW8bit
 
-        opt = AdamW8bit(model.parameters(), **hyper)
+        if args.mode == "trainstream-8bit-sr":  # bf16 weights without a master, rounded stochastically
+            model.bfloat16()
+        opt = AdamW8bit(model.parameters(), bf16_stochastic_round=args.mode.endswith("-sr"), **hyper)
     wrapped = args.mode.startswith("trainstream")
     if wrapped:
         model, opt = trainstream.wrap(model, opt, max_grad_norm=args.clip,
@@ -85,6 +88,18 @@ def run(args) -> dict:
         return sum(losses) / len(losses)
 
     curve, evals, norms = [], [], []
+
+    def figures(done: bool) -> dict:
+        out = {"mode": args.mode, "params": sum(p.numel() for p in model.parameters()), "steps": args.steps,
+               "steps_done": len(curve), "complete": done, "tokens_per_step": args.batch * args.seq,
+               "loss": curve, "held_out": evals, "grad_norms": norms,
+               "final_train_loss": sum(curve[-100:]) / len(curve[-100:]), "final_held_out_loss": evals[-1][1],
+               "norm_under_clip_share": sum(n is not None and n < args.clip for n in norms) / len(norms),
+               "seconds": time.perf_counter() - start, "device": torch.cuda.get_device_name()}
+        if wrapped:
+            out["speculation"] = opt.report()["speculation"]
+        return out
+
     start = time.perf_counter()
     for step, tokens in enumerate(batches(train_data, args.steps, args.batch, args.seq, args.seed)):
         loss = loss_of(tokens.cuda(non_blocking=True))
@@ -101,14 +116,10 @@ def run(args) -> dict:
             evals.append((step + 1, evaluate()))
             print(f"{args.mode}: step {step + 1} train {sum(curve[-50:]) / len(curve[-50:]):.4f} "
                   f"held-out {evals[-1][1]:.4f} ({time.perf_counter() - start:.0f} s)", flush=True)
-    seconds = time.perf_counter() - start
-    out = {"mode": args.mode, "params": sum(p.numel() for p in model.parameters()), "steps": args.steps,
-           "tokens_per_step": args.batch * args.seq, "loss": curve, "held_out": evals, "grad_norms": norms,
-           "final_train_loss": sum(curve[-100:]) / 100, "final_held_out_loss": evals[-1][1],
-           "norm_under_clip_share": sum(n is not None and n < args.clip for n in norms) / len(norms),
-           "seconds": seconds, "device": torch.cuda.get_device_name()}
+            if args.json and step + 1 < args.steps:  # a run stopped early still leaves its curve so far
+                Path(args.json).write_text(json.dumps(figures(done=False)))
+    out = figures(done=True)
     if wrapped:
-        out["speculation"] = opt.report()["speculation"]
         out["describe"] = opt.describe()
     return out
 

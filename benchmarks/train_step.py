@@ -82,14 +82,15 @@ def run_mode(mode: str, args) -> dict:
     # is built or wrapped, '+compileafter' after wrap(); '+noclip' or '+clipX' (e.g. +clip1e9)
     # replace --clip for that mode. '+streamN' streams the weights of the last N blocks
     # (Tuning(streamed_blocks=N)). '+8bit' uses torchao's AdamW8bit: on gpu-adamw torchao's own
-    # GPU update, on trainstream wrapped as the optimizer to run.
+    # GPU update, on trainstream wrapped as the optimizer to run; '+sr' with it makes it
+    # AdamW8bit(bf16_stochastic_round=True) (bf16 weights without an fp32 master).
     threads = next((int(e[1:]) for e in extras if re.fullmatch(r"t\d+", e)), 0)
     nice = next((int(e[4:]) for e in extras if re.fullmatch(r"nice\d+", e)), None)
     streams = [int(e[6:]) for e in extras if re.fullmatch(r"stream\d+", e)]
     clips = [e for e in extras if e == "noclip" or re.fullmatch(r"clip[0-9.e+-]+", e)]
     clip = args.clip if not clips else None if clips[0] == "noclip" else float(clips[0][4:])
     compiling = [e for e in extras if e in ("compile", "compileafter")]
-    knobs = {e for e in extras if e in ("fp32grads", "everygate", "pageonly", "master", "offload", "waitclip", "light", "8bit",
+    knobs = {e for e in extras if e in ("fp32grads", "everygate", "pageonly", "master", "offload", "waitclip", "light", "8bit", "sr",
                                         "pin", f"t{threads}", f"nice{nice}", *clips, *compiling, *(f"stream{n}" for n in streams))}
     keeping = [e for e in extras if e in ("ckpt", "save_on_cpu")]
     variants = [e for e in extras if e not in knobs and e not in keeping]
@@ -105,19 +106,21 @@ def run_mode(mode: str, args) -> dict:
     if compiling == ["compile"]:
         model = torch.compile(model)
     torch._dynamo.utils.counters.clear()
-    if "8bit" in knobs and base not in ("gpu-adamw", "trainstream"):
-        raise ValueError(f"mode {mode}: +8bit is for gpu-adamw (torchao's AdamW8bit on the GPU) and trainstream")
+    if "8bit" in knobs and base not in ("gpu-adamw", "trainstream") or "sr" in knobs and "8bit" not in knobs:
+        raise ValueError(f"mode {mode}: +8bit is for gpu-adamw (torchao's AdamW8bit on the GPU) and trainstream, "
+                         f"+sr goes with +8bit")
+    eight_bit = dict(lr=1e-4, weight_decay=0.01, bf16_stochastic_round="sr" in knobs)
     if base == "gpu-adamw" and "8bit" in knobs:
         from torchao.optim import AdamW8bit
 
-        opt = AdamW8bit(model.parameters(), lr=1e-4, weight_decay=0.01)
+        opt = AdamW8bit(model.parameters(), **eight_bit)
     elif base == "gpu-adamw":
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=True)
     elif base == "trainstream":
         if "8bit" in knobs:  # torchao's AdamW8bit, run by TrainStream's engines
             from torchao.optim import AdamW8bit
 
-            opt = AdamW8bit(model.parameters(), lr=1e-4, weight_decay=0.01)
+            opt = AdamW8bit(model.parameters(), **eight_bit)
         else:
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
         t0 = time.perf_counter()

@@ -1,5 +1,7 @@
 #include <pybind11/stl.h>
 
+#include <optional>
+
 #include "common.hpp"
 #include "trainstream/adamw8bit.hpp"
 #include "trainstream/bandwidth.hpp"
@@ -41,9 +43,13 @@ void bind_adamw(py::module_& m) {
          std::uintptr_t m_codes, std::uintptr_t m_scale, std::uintptr_t v_codes, std::uintptr_t v_scale,
          std::uintptr_t signed_qmap, std::uintptr_t unsigned_qmap, std::size_t numel, float lr, double beta1,
          double beta2, double eps, double weight_decay, std::int64_t step, float grad_scale,
-         std::uintptr_t param_bf16) {
+         std::uintptr_t param_bf16, std::optional<std::uint64_t> stochastic_seed) {
         AdamW8bitBuffers b;
-        b.param = as_ptr<float>(param);
+        if (stochastic_seed) {
+          b.param16 = as_ptr<std::uint16_t>(param);
+        } else {
+          b.param = as_ptr<float>(param);
+        }
         b.grad = as_ptr<const void>(grad);
         b.grad_dtype = parse_dtype(grad_dtype);
         b.exp_avg = {as_ptr<std::uint8_t>(m_codes), as_ptr<float>(m_scale)};
@@ -52,7 +58,9 @@ void bind_adamw(py::module_& m) {
         b.unsigned_qmap = as_ptr<const float>(unsigned_qmap);
         b.param_bf16 = as_ptr<std::uint16_t>(param_bf16);
         b.numel = numel;
-        const AdamW8bitHyper hyper{lr, beta1, beta2, eps, weight_decay, step, grad_scale};
+        AdamW8bitHyper hyper{lr, beta1, beta2, eps, weight_decay, step, grad_scale};
+        hyper.stochastic_round = stochastic_seed.has_value();
+        hyper.seed = stochastic_seed.value_or(0);
         py::gil_scoped_release release;
         adamw8bit_step(self.pool(), b, hyper, self.isa());
       },
@@ -60,10 +68,12 @@ void bind_adamw(py::module_& m) {
       py::arg("exp_avg_scale"), py::arg("exp_avg_sq_codes"), py::arg("exp_avg_sq_scale"), py::arg("signed_qmap"),
       py::arg("unsigned_qmap"), py::arg("numel"), py::kw_only(), py::arg("lr"), py::arg("beta1"),
       py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("step"), py::arg("grad_scale") = 1.0f,
-      py::arg("param_bf16") = 0,
+      py::arg("param_bf16") = 0, py::arg("stochastic_seed") = py::none(),
       "One blockwise 8-bit AdamW update (torchao's AdamW8bit) of fp32 weights given by host addresses: "
       "uint8 codes and fp32 block scales for each moment, torchao's two quantization maps; param_bf16, where "
-      "given, receives the new weights rounded to bf16. Releases the GIL.");
+      "given, receives the new weights rounded to bf16. With stochastic_seed, `param` holds bf16 weights "
+      "without a master, rounded stochastically (bf16_stochastic_round) with that parameter's seed. "
+      "Releases the GIL.");
   engine
       .def(
           "squared_norm",

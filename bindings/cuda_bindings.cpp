@@ -85,17 +85,24 @@ void bind_cuda(py::module_& m) {
          const Addresses& v_codes, const Addresses& v_scales, const Addresses& params_bf16,
          const std::vector<std::size_t>& numels, std::uintptr_t signed_qmap, std::uintptr_t unsigned_qmap, float lr,
          double beta1, double beta2, double eps, double weight_decay, std::int64_t step, float grad_scale,
-         std::uintptr_t device_scale) {
+         std::uintptr_t device_scale, const std::vector<std::int64_t>& seeds) {
         const std::size_t n = params.size();
         check_sizes(n, {grads.size(), grad_dtypes.size(), m_codes.size(), m_scales.size(), v_codes.size(),
                         v_scales.size(), params_bf16.size(), numels.size()});
+        if (!seeds.empty()) check_sizes(n, {seeds.size()});
         const std::vector<DType> dtypes = parse_dtypes(grad_dtypes);
         std::vector<DeviceAdamW8bitTensor> tensors(n);
         for (std::size_t k = 0; k < n; ++k) {
           tensors[k] = {as_ptr<float>(params[k]), as_ptr<const void>(grads[k]), dtypes[k],
                         {as_ptr<std::uint8_t>(m_codes[k]), as_ptr<float>(m_scales[k])},
                         {as_ptr<std::uint8_t>(v_codes[k]), as_ptr<float>(v_scales[k])},
-                        as_ptr<std::uint16_t>(params_bf16[k]), numels[k]};
+                        as_ptr<std::uint16_t>(params_bf16[k])};
+          tensors[k].numel = numels[k];
+          if (!seeds.empty() && seeds[k] >= 0) {  // bf16 weights without a master
+            tensors[k].param16 = as_ptr<std::uint16_t>(params[k]);
+            tensors[k].param = nullptr;
+            tensors[k].seed = static_cast<std::uint64_t>(seeds[k]);
+          }
         }
         const AdamW8bitHyper hyper{lr, beta1, beta2, eps, weight_decay, step, grad_scale};
         py::gil_scoped_release release;
@@ -106,10 +113,11 @@ void bind_cuda(py::module_& m) {
       py::arg("exp_avg_codes"), py::arg("exp_avg_scales"), py::arg("exp_avg_sq_codes"), py::arg("exp_avg_sq_scales"),
       py::arg("params_bf16"), py::arg("numels"), py::arg("signed_qmap"), py::arg("unsigned_qmap"), py::kw_only(),
       py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("step"),
-      py::arg("grad_scale") = 1.0f, py::arg("device_scale") = 0,
+      py::arg("grad_scale") = 1.0f, py::arg("device_scale") = 0, py::arg("seeds") = std::vector<std::int64_t>{},
       "Queues torchao's blockwise 8-bit AdamW over device tensors (uint8 codes and fp32 block scales of each "
       "moment; the two maps in device memory) on `stream`, with the host engine's bits; device_scale as for "
-      "device_adamw_step.");
+      "device_adamw_step. seeds, where given, one a tensor: a seed >= 0 makes that tensor's `params` address bf16 "
+      "weights without a master, rounded stochastically as the host engine rounds them; -1 keeps fp32.");
   m.def("device_clip_scale",
         [](int device, std::uintptr_t stream, std::uintptr_t squares, std::size_t count, double max_norm, double eps,
            std::uintptr_t scale, std::uintptr_t verdict) {

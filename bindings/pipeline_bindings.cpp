@@ -81,10 +81,13 @@ std::vector<HostParam*> raw_pointers(const std::vector<std::shared_ptr<HostParam
 Moments parse_moments(const std::string& name) {
   if (name == "fp32") return Moments::fp32;
   if (name == "8bit") return Moments::blockwise8;
-  throw std::invalid_argument("moments must be 'fp32' or '8bit', got '" + name + "'");
+  if (name == "8bit-sr") return Moments::blockwise8_sr;
+  throw std::invalid_argument("moments must be 'fp32', '8bit' or '8bit-sr', got '" + name + "'");
 }
 
-const char* moments_name(Moments m) { return m == Moments::blockwise8 ? "8bit" : "fp32"; }
+const char* moments_name(Moments m) {
+  return m == Moments::blockwise8 ? "8bit" : m == Moments::blockwise8_sr ? "8bit-sr" : "fp32";
+}
 
 }  // namespace
 
@@ -105,7 +108,8 @@ void bind_pipeline(py::module_& m) {
       .def_property_readonly("squared_norm", [](const HostParam& p) { return p.squared_norm; })
       .def_property_readonly("has_accumulator", [](const HostParam& p) { return p.accumulator != nullptr; })
       .def_property_readonly("moments", [](const HostParam& p) { return moments_name(p.moments); },
-                             "'fp32' or '8bit' (blockwise: torchao's AdamW8bit)")
+                             "'fp32', '8bit' (blockwise: torchao's AdamW8bit) or '8bit-sr' (the same over bf16 "
+                             "weights without a master, rounded stochastically)")
       .def_property_readonly("has_landing_buffer", [](const HostParam& p) { return p.grad != nullptr; },
                              "False for fp32 weights whose gradients land in their accumulator")
       .def_property_readonly("state_bytes", [](const HostParam& p) { return OffloadPipeline::state_bytes(p); },
@@ -116,9 +120,10 @@ void bind_pipeline(py::module_& m) {
                              "False once release_state() gave its host buffers back (a resident parameter)")
       .def("view", [](const std::shared_ptr<HostParam>& p, const std::string& name) {
         if (!p->holds_state()) throw std::invalid_argument("HostParam: its host state was given back (resident)");
+        if (name == "master" && p->master_bf16) return HostView{p, p->master_bf16, 2 * p->numel};
         if (name == "master") return HostView{p, p->master, 4 * p->numel};
         const std::size_t blocks = p->numel / kQuantBlock;
-        const bool compact = p->moments == Moments::blockwise8;
+        const bool compact = quantized(p->moments);
         if (name == "exp_avg" && !compact) return HostView{p, p->exp_avg, 4 * p->numel};
         if (name == "exp_avg_sq" && !compact) return HostView{p, p->exp_avg_sq, 4 * p->numel};
         if (name == "exp_avg_codes" && compact) return HostView{p, p->exp_avg8.codes, p->numel};
@@ -133,6 +138,7 @@ void bind_pipeline(py::module_& m) {
         if (name == "next_exp_avg" && p->next_exp_avg) return HostView{p, p->next_exp_avg, 4 * p->numel};
         if (name == "next_exp_avg_sq" && p->next_exp_avg_sq) return HostView{p, p->next_exp_avg_sq, 4 * p->numel};
         if (name == "next_master" && p->next_master) return HostView{p, p->next_master, 4 * p->numel};
+        if (name == "next_master" && p->next_master_bf16) return HostView{p, p->next_master_bf16, 2 * p->numel};
         if (name == "next_exp_avg_codes" && p->next_exp_avg8.codes) return HostView{p, p->next_exp_avg8.codes, p->numel};
         if (name == "next_exp_avg_scale" && p->next_exp_avg8.scale) return HostView{p, p->next_exp_avg8.scale, 4 * blocks};
         if (name == "next_exp_avg_sq_codes" && p->next_exp_avg_sq8.codes) {
@@ -142,12 +148,13 @@ void bind_pipeline(py::module_& m) {
           return HostView{p, p->next_exp_avg_sq8.scale, 4 * blocks};
         }
         if (name == "weights" && p->keeps_weights_on_host()) {
+          if (p->master_bf16) return HostView{p, p->master_bf16, 2 * p->numel};
           if (p->weight_dtype == DType::bfloat16) return HostView{p, p->host_bf16, 2 * p->numel};
           return HostView{p, p->master, 4 * p->numel};
         }
         throw std::invalid_argument("HostParam has no buffer '" + name + "'");
       }, py::arg("name"), py::keep_alive<0, 1>(),
-      "Bytes of one buffer: master, exp_avg, exp_avg_sq (blockwise 8-bit moments: exp_avg_codes, exp_avg_scale, "
+      "Bytes of one buffer: master (8bit-sr: the bf16 weights), exp_avg, exp_avg_sq (blockwise 8-bit moments: exp_avg_codes, exp_avg_scale, "
       "exp_avg_sq_codes, exp_avg_sq_scale), grad, accumulator, or (with speculation) "
       "next_exp_avg, next_exp_avg_sq (8-bit: next_exp_avg_codes and the rest), next_master; with keep_weights_on_host, weights (the weights in their "
       "dtype). A commit swaps each next_ buffer with its twin.");
@@ -194,12 +201,15 @@ void bind_pipeline(py::module_& m) {
            }, "Wall seconds the engine's threads ran chunks, and elements updated, since it started.")
       .def_property_readonly("downloading_bytes", &OffloadPipeline::downloading_bytes)
       .def("add_param", [](OffloadPipeline& o, std::size_t numel, const std::string& dtype, bool accumulate,
-                           std::int64_t priority, bool with_state, const std::string& moments) {
+                           std::int64_t priority, bool with_state, const std::string& moments,
+                           std::uint64_t rounding_seed) {
              const Moments format = parse_moments(moments);
              py::gil_scoped_release release;
-             return o.add_param(numel, parse_dtype(dtype), accumulate, priority, with_state, format);
+             auto p = o.add_param(numel, parse_dtype(dtype), accumulate, priority, with_state, format);
+             p->rounding_seed = rounding_seed;
+             return p;
            }, py::arg("numel"), py::arg("weight_dtype"), py::arg("accumulate"), py::arg("priority") = 0,
-           py::arg("with_state") = true, py::arg("moments") = "fp32",
+           py::arg("with_state") = true, py::arg("moments") = "fp32", py::arg("rounding_seed") = 0,
            py::keep_alive<0, 1>())
       .def("set_quantization_maps", [](OffloadPipeline& o, std::uintptr_t signed_map, std::uintptr_t unsigned_map) {
              o.set_quantization_maps(reinterpret_cast<const float*>(signed_map), reinterpret_cast<const float*>(unsigned_map));

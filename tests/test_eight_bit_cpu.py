@@ -185,7 +185,6 @@ def test_state_dict_is_torchaos_and_loads_both_ways(eager_torchao):
 
 @pytest.mark.parametrize("build, match", [
     (lambda ps: optim.AdamW8bit(ps, block_size=128), "block_size=128"),
-    (lambda ps: optim.AdamW8bit(ps, bf16_stochastic_round=True), "bf16_stochastic_round"),
     (lambda ps: optim.AdamW8bit(ps, amsgrad=True), "amsgrad"),
     (lambda ps: optim.AdamW4bit(ps), "AdamW4bit.*implements no other low-bit"),
     (lambda ps: optim.AdamWFp8(ps), "AdamWFp8.*implements no other low-bit"),

@@ -47,7 +47,9 @@ std::shared_ptr<HostParam> OffloadPipeline::add_param(std::size_t numel, DType w
                                                       bool accumulate, std::int64_t priority,
                                                       bool with_state, Moments moments) {
   TS_EXPECTS(numel > 0, "OffloadPipeline: zero-size parameter");
-  if (moments == Moments::blockwise8) {
+  if (quantized(moments)) {
+    TS_EXPECTS(moments != Moments::blockwise8_sr || weight_dtype == DType::bfloat16,
+               "OffloadPipeline: stochastically rounded weights without a master are bf16");
     TS_EXPECTS(numel % kQuantBlock == 0, "OffloadPipeline: blockwise 8-bit moments need a multiple of " +
                                              std::to_string(kQuantBlock) + " elements, got " + std::to_string(numel));
     TS_EXPECTS(!quantization_maps_.empty(), "OffloadPipeline: set_quantization_maps() before 8-bit moments");
@@ -77,8 +79,12 @@ std::size_t OffloadPipeline::take_state(HostParam& p) {
   if (p.holds_state()) return 0;
   HostArena& arena = transfer_->arena();
   const std::size_t numel = p.numel;
-  p.master = static_cast<float*>(arena.allocate(4 * numel));
-  if (p.moments == Moments::blockwise8) {
+  if (p.moments == Moments::blockwise8_sr) {
+    p.master_bf16 = static_cast<std::uint16_t*>(arena.allocate(2 * numel));
+  } else {
+    p.master = static_cast<float*>(arena.allocate(4 * numel));
+  }
+  if (quantized(p.moments)) {
     for (Quantized* q : {&p.exp_avg8, &p.exp_avg_sq8}) {  // torchao's zeros: codes 0, scales 0
       q->codes = static_cast<std::uint8_t*>(arena.allocate(numel));
       q->scale = static_cast<float*>(arena.allocate(4 * (numel / kQuantBlock)));
@@ -124,6 +130,9 @@ std::size_t OffloadPipeline::release_state(HostParam& p) {
   const auto give_back = [&](void* block, std::size_t bytes) {
     if (block != nullptr) (spare_.owns(block) ? spare_ : arena).release(block, bytes);
   };
+  give_back(p.master_bf16, 2 * numel);
+  give_back(p.next_master_bf16, 2 * numel);
+  p.master_bf16 = p.next_master_bf16 = nullptr;
   for (Quantized* q : {&p.exp_avg8, &p.exp_avg_sq8, &p.next_exp_avg8, &p.next_exp_avg_sq8}) {
     give_back(q->codes, numel);
     give_back(q->scale, 4 * (numel / kQuantBlock));
@@ -138,10 +147,11 @@ std::size_t OffloadPipeline::release_state(HostParam& p) {
 }
 
 std::size_t OffloadPipeline::state_bytes(std::size_t numel, DType weight_dtype, bool accumulate, Moments moments) {
-  const std::size_t rest =
-      (4 + (accumulate ? 4 : 0) + (lands_in_accumulator(weight_dtype, accumulate) ? 0 : dtype_size(weight_dtype))) *
-      numel;
-  if (moments == Moments::blockwise8) {
+  const std::size_t master = moments == Moments::blockwise8_sr ? 2 : 4;
+  const std::size_t rest = (master + (accumulate ? 4 : 0) +
+                            (lands_in_accumulator(weight_dtype, accumulate) ? 0 : dtype_size(weight_dtype))) *
+                           numel;
+  if (quantized(moments)) {
     return rest + 2 * (HostArena::rounded(numel) + HostArena::rounded(4 * (numel / kQuantBlock)));
   }
   return rest + 8 * numel;

@@ -6,7 +6,8 @@
 //
 // One thread block of kQuantBlock threads updates one quantization block: each thread one
 // element, the block's new scale (its largest magnitude) reduced through shared memory. Up to
-// kBatch tensors a launch, by value.
+// kBatch tensors a launch, by value. bf16 weights without a master are rounded stochastically with
+// the host kernels' random bits (rounding_bits of adamw8bit.hpp), so they too end the same.
 #include <algorithm>
 #include <string>
 
@@ -31,6 +32,8 @@ struct Batch8bit {
   std::uint8_t* v_codes[kBatch];
   float* v_scale[kBatch];
   std::uint16_t* param_bf16[kBatch];
+  std::uint16_t* param16[kBatch];  // bf16 weights rounded stochastically (param null), or null
+  RoundingKey key[kBatch];
   unsigned int first_block[kBatch + 1];  // tensor k owns quantization blocks [first_block[k], first_block[k+1])
   bool bf16_grad[kBatch];
   int count;
@@ -104,12 +107,20 @@ __global__ void __launch_bounds__(kThreads) adamw8bit_kernel(const Batch8bit bat
   const float g2 = __fmul_rn(g, g);
   const float m = __fmaf_rn(c.m_coeff, __fsub_rn(g, m0), c.m_from_start ? m0 : g);
   const float v = __fmaf_rn(c.v_coeff, __fsub_rn(g2, v0), c.v_from_start ? v0 : g2);
-  const float p = batch.param[k][i];
+  std::uint16_t* const weights16 = batch.param16[k];
+  const float p = weights16 ? bf16_bits_to_float(weights16[i]) : batch.param[k][i];
   const float decayed = __fsub_rn(p, __fmul_rn(c.lr_wd, p));
   const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(v), c.bc2_sqrt), c.eps);
   const float updated = __fsub_rn(decayed, __fdiv_rn(__fmul_rn(c.lr, __fdiv_rn(m, c.bc1)), denom));
-  batch.param[k][i] = updated;
-  if (batch.param_bf16[k]) batch.param_bf16[k][i] = float_to_bf16_bits(updated);
+  if (weights16) {
+    const std::uint16_t rounded =
+        bf16_stochastic(__float_as_uint(updated), rounding_bits(batch.key[k], static_cast<std::uint32_t>(i)));
+    weights16[i] = rounded;
+    if (batch.param_bf16[k]) batch.param_bf16[k][i] = rounded;
+  } else {
+    batch.param[k][i] = updated;
+    if (batch.param_bf16[k]) batch.param_bf16[k][i] = float_to_bf16_bits(updated);
+  }
   const float m_scale = block_scale(fabsf(m), reduce);
   const float v_scale = block_scale(fabsf(v), reduce);
   batch.m_codes[k][i] = quantize(__fdiv_rn(m, m_scale), maps[0]);
@@ -137,7 +148,10 @@ void launch_device_adamw8bit(int device, const DeviceAdamW8bitTensor* tensors, s
       const DeviceAdamW8bitTensor& t = tensors[start + k];
       TS_EXPECTS(t.numel > 0 && t.numel % kQuantBlock == 0,
                  "device AdamW8bit: numel must be a positive multiple of " + std::to_string(kQuantBlock));
-      TS_EXPECTS(t.param && t.grad && t.exp_avg.codes && t.exp_avg.scale && t.exp_avg_sq.codes && t.exp_avg_sq.scale,
+      TS_EXPECTS(!t.param != !t.param16, "device AdamW8bit: fp32 weights (param) or bf16 ones (param16), one of them");
+      TS_EXPECTS(!t.param16 || t.numel <= (std::size_t(1) << 32),
+                 "device AdamW8bit: stochastic rounding numbers at most 2^32 elements a parameter");
+      TS_EXPECTS(t.grad && t.exp_avg.codes && t.exp_avg.scale && t.exp_avg_sq.codes && t.exp_avg_sq.scale,
                  "device AdamW8bit: null buffer pointer");
       batch.param[k] = t.param;
       batch.grad[k] = t.grad;
@@ -146,6 +160,8 @@ void launch_device_adamw8bit(int device, const DeviceAdamW8bitTensor* tensors, s
       batch.v_codes[k] = t.exp_avg_sq.codes;
       batch.v_scale[k] = t.exp_avg_sq.scale;
       batch.param_bf16[k] = t.param_bf16;
+      batch.param16[k] = t.param16;
+      if (t.param16) batch.key[k] = rounding_key(t.seed, hyper.step);
       batch.bf16_grad[k] = t.grad_dtype == DType::bfloat16;
       batch.first_block[k] = blocks;
       const std::size_t more = t.numel / kQuantBlock;

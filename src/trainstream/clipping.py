@@ -114,7 +114,7 @@ class Clipping:
             else:
                 s.next_state = {"exp_avg": host_tensor(s.host, "next_exp_avg", s.weight),
                                 "exp_avg_sq": host_tensor(s.host, "next_exp_avg_sq", s.weight)}
-            if s.param.dtype == torch.bfloat16:
+            if s.param.dtype == torch.bfloat16 and not s.stochastic:
                 s.next_state["master_param"] = host_tensor(s.host, "next_master", s.weight)
         self.recount()
         self.plan_term_holding()
@@ -127,7 +127,7 @@ class Clipping:
 
     def _speculation_bytes(self, slot: Slot) -> int:
         return self._engine.pipeline.speculation_bytes(slot.weight.numel(), DTYPE_NAMES[slot.param.dtype],
-                                                       "8bit" if slot.quantized else "fp32")
+                                                       slot.host.moments)
 
     def plan_term_holding(self) -> None:
         """Whether speculated fp32 update terms go up at once, each into its gradient's VRAM, kept

@@ -77,9 +77,12 @@ class Reporter:
             return ""
         numel = sum(s.weight.numel() for s in order)
         share = sum(s.weight.numel() for s in quantized) / max(numel, 1)
+        stochastic = sum(s.stochastic for s in order)
+        rounded = (f"; {stochastic} of them bf16 weights without an fp32 master, rounded stochastically "
+                   f"(bf16_stochastic_round=True)" if stochastic else "")
         return (f"optimizer: torchao AdamW8bit: {len(quantized)} parameters ({share:.1%} of the elements) keep "
                 f"blockwise 8-bit moments, the other {len(order) - len(quantized)} (under {eight_bit.MIN_QUANTIZED} "
-                f"elements or not whole blocks of {eight_bit.BLOCK_SIZE}) fp32 moments")
+                f"elements or not whole blocks of {eight_bit.BLOCK_SIZE}) fp32 moments{rounded}")
 
     def _clipping_line(self) -> str:
         """How many offloaded updates start before the global norm is known, what that holds, and
@@ -107,12 +110,13 @@ class Reporter:
         if not used and not paging:
             return ""
         slots = [s for s in self._slots.order if s.host is not None and s.host.holds_state]
-        held = ["fp32 master", "two moments" if not any(s.quantized for s in slots) else "8-bit or fp32 moments"]
+        held = ["fp32 master" if not any(s.stochastic for s in slots) else "fp32 master or bf16 weights",
+                "two moments" if not any(s.quantized for s in slots) else "8-bit or fp32 moments"]
         if any(s.host.has_landing_buffer for s in slots):
             held.append("a gradient buffer")
         if any(s.host.has_accumulator for s in slots):
             held.append("an fp32 sum of micro-batches")
-        if any(s.streamed and s.param.dtype == torch.bfloat16 for s in slots):
+        if any(s.streamed and s.param.dtype == torch.bfloat16 and not s.stochastic for s in slots):
             held.append("streamed bf16 weights")
         numel = sum(s.weight.numel() for s in slots)
         parts = [f"{format_size(used)} {pipeline.host_memory_kind} for the offloaded state"
@@ -141,6 +145,7 @@ class Reporter:
             "host_bytes_per_param": pipeline.host_used_bytes / max(numel, 1),
             "optimizer": "torchao.optim.AdamW8bit" if self._eight_bit else "torch.optim.AdamW",
             "quantized_params": sum(s.quantized for s in order),  # blockwise 8-bit moments
+            "stochastic_params": sum(s.stochastic for s in order),  # bf16 weights without a master
             # everything TrainStream holds in host memory, by role, and the budget it is held under
             "host_budget": {"limit_bytes": self._engine.host_budget.limit, "source": self._engine.host_budget.source,
                             "available_bytes": self._engine.host_budget.available,

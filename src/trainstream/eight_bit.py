@@ -7,7 +7,13 @@ resident ones, with the same bits. As in torchao, a parameter of at least MIN_QU
 that is whole blocks of BLOCK_SIZE keeps its moments as uint8 codes and one fp32 scale a block; a
 smaller one keeps fp32 moments and is updated as torch.optim.AdamW rounds it (within an ulp or two
 a step of torchao's own fp32 arithmetic). bf16 weights keep an fp32 master, as under exact AdamW
-(torchao rounds them back to bf16 every step).
+(torchao rounds them back to bf16 every step), unless the optimizer was made with
+bf16_stochastic_round=True: then a quantized bf16 parameter's weights are its own state, 2 bytes
+an element, and each update rounds them stochastically as torchao does, from a counter-based
+generator (cpp/include/trainstream/adamw8bit.hpp) that the host and GPU kernels share, seeded
+per parameter from torch's seed at wrap() (`rounding_seed`): the same seed, the same bits,
+wherever the parameter lives. torchao draws its bits from torch's generator instead, so runs of
+the two agree in distribution, not bit for bit.
 
 Inside TrainStream the codes and scales are plain tensors under their own keys (`RAW_KEYS`), so
 moving a parameter between host and VRAM copies them like any state; the optimizer's `state`
@@ -23,7 +29,7 @@ BLOCK_SIZE = 256  # the engine's quantization block (kQuantBlock)
 MIN_QUANTIZED = 4096  # torchao (after bitsandbytes) quantizes tensors of at least this many values
 RAW_KEYS = ("exp_avg_codes", "exp_avg_scale", "exp_avg_sq_codes", "exp_avg_sq_scale")
 SUPPORTED = ("torch.optim.AdamW, torch.optim.Adam (without weight decay) and torchao.optim.AdamW8bit "
-             "(block_size=256, bf16_stochastic_round=False)")
+             "(block_size=256, bf16_stochastic_round True or False)")
 
 
 def is_adamw8bit(optimizer: torch.optim.Optimizer) -> bool:
@@ -36,8 +42,6 @@ def check_adamw8bit(optimizer: torch.optim.Optimizer) -> str | None:
     if getattr(optimizer, "block_size", None) != BLOCK_SIZE:
         return (f"block_size={getattr(optimizer, 'block_size', None)}: the host and GPU kernels quantize blocks "
                 f"of {BLOCK_SIZE} (torchao's default)")
-    if getattr(optimizer, "bf16_stochastic_round", False):
-        return "bf16_stochastic_round=True is not implemented: bf16 weights keep an fp32 master instead"
     for i, group in enumerate(optimizer.param_groups):
         if group.get("amsgrad", False):
             return f"param group {i}: amsgrad=True is not implemented"
@@ -47,6 +51,23 @@ def check_adamw8bit(optimizer: torch.optim.Optimizer) -> str | None:
 def quantizes(numel: int) -> bool:
     """Whether a parameter of `numel` elements (this process's part of it) gets 8-bit moments."""
     return numel >= MIN_QUANTIZED and numel % BLOCK_SIZE == 0
+
+
+def state_format(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> str:
+    """How the engine keeps `p`'s state (p: this process's part of the parameter) under
+    `optimizer`: 'fp32' (moments, and an fp32 master for bf16 weights), '8bit' (codes and scales
+    over that master) or '8bit-sr' (codes and scales; bf16 weights without a master, rounded
+    stochastically)."""
+    if not is_adamw8bit(optimizer) or not quantizes(p.numel()):
+        return "fp32"
+    return "8bit-sr" if getattr(optimizer, "bf16_stochastic_round", False) and p.dtype == torch.bfloat16 else "8bit"
+
+
+def rounding_seed(base: int, index: int) -> int:
+    """Parameter `index`'s seed for stochastic rounding (63 bits), from wrap()'s `base`."""
+    x = (base * 0x9E3779B97F4A7C15 + index + 1) & (2**64 - 1)
+    x = ((x ^ (x >> 31)) * 0xBF58476D1CE4E5B9) & (2**64 - 1)
+    return (x ^ (x >> 29)) >> 1
 
 
 def moment_bytes(quantized: bool) -> float:

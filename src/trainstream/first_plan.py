@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from trainstream import eight_bit
 from trainstream.placement import (ParamCost, last_streamable, reserve_for, resident_grad_bytes, state_bytes,
                                    weights_on_device)
 
@@ -73,12 +74,12 @@ class FirstPlan:
 
 
 def resident_costs(numels: list[int], element_sizes: list[int], accumulation_steps: int,
-                   moment_bytes: list[float] | None = None) -> list[int]:
+                   formats: list[str] | None = None) -> list[int]:
     """VRAM each parameter's gradient and AdamW state take when resident (placement.py's terms);
-    `moment_bytes`: each one's bytes an element of moments (8 unless 8-bit: eight_bit.moment_bytes)."""
+    `formats`: how each keeps its state (eight_bit.state_format; fp32 where not given)."""
     costs = []
-    for numel, size, moments in zip(numels, element_sizes, moment_bytes or [8.0] * len(numels)):
-        p = ParamCost("", numel, size, 0, 0.0, 0.0, 0, moments)
+    for numel, size, form in zip(numels, element_sizes, formats or ["fp32"] * len(numels)):
+        p = ParamCost("", numel, size, 0, 0.0, 0.0, 0, eight_bit.moment_bytes(form != "fp32"), form != "8bit-sr")
         costs.append(state_bytes(p, accumulation_steps) + resident_grad_bytes(p, accumulation_steps))
     return costs
 

@@ -101,6 +101,9 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self._shards = sharded  # trainstream.distributed.Sharded under FSDP2, else None
         self._vram_sums = tuning.accumulate_in_vram  # None: the planner's choice per parameter
         self.eight_bit = eight_bit.is_adamw8bit(source)  # torchao's AdamW8bit: trainstream.eight_bit
+        self.stochastic_round = self.eight_bit and bool(getattr(source, "bf16_stochastic_round", False))
+        self._source_kind = source  # (only its kind and flags are read: eight_bit.state_format)
+        self._rounding_base = torch.initial_seed()  # torch.manual_seed() before wrap() fixes the rounding
         maps = eight_bit.maps() if self.eight_bit else None
         if maps is not None:
             engine.pipeline.set_quantization_maps(maps[0].data_ptr(), maps[1].data_ptr())
@@ -193,21 +196,23 @@ class OffloadedAdamW(torch.optim.Optimizer):
         weight = local_shard(p) if self._shards is not None else p
         peer = owner is not None and owner != self._dp.rank or weight.numel() == 0
         resident = resident and not peer
-        quantized = self.eight_bit and eight_bit.quantizes(weight.numel())
+        state_format = eight_bit.state_format(self._source_kind, weight)
+        quantized, stochastic = state_format != "fp32", state_format == "8bit-sr"
+        seed = eight_bit.rounding_seed(self._rounding_base, i) if stochastic else 0
         host = None
         if not peer and (not resident or self.promotion.placement == "auto"):
             # registration order stands in for forward order (embeddings, layers, head); a resident
             # one under "auto" takes its host state only if a plan offloads it
             host = pipeline.add_param(weight.numel(), DTYPE_NAMES[p.dtype], host_sums, i, with_state=not resident,
-                                      moments="8bit" if quantized else "fp32")
+                                      moments=state_format, rounding_seed=seed)
             if not resident and weight.device == engine.device:  # (else a streamed one in host memory: see
                 pipeline.load_weights(host, weight.data_ptr(), engine.current_stream())  # Promotion.stream)
         slot = Slot(p, host, group, weight._version, i, peer=peer, sharded=self._shards is not None,
-                    quantized=quantized)
+                    quantized=quantized, stochastic=stochastic, rounding_seed=seed)
         slot.state = {"step": torch.tensor(0.0)}
         if resident:
             slot.resident = True
-            slot.device_state = ResidentAdamW.new_state(p, acc if self._dp is None else 1, quantized)
+            slot.device_state = ResidentAdamW.new_state(p, acc if self._dp is None else 1, quantized, stochastic)
             slot.state.update(self.slots.shown(slot, slot.device_state))
         elif not peer:
             slot.state.update(self.slots.shown(slot, engine.host_state(slot)))
@@ -359,7 +364,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
             batches.setdefault((id(s.group), s.step), []).append((s, grad))
         for batch in batches.values():
             hyper = hyperparameters(batch[0][0], scale)
-            self._resident.update([(s.param, g, s.device_state) for s, g in batch], hyper, device_scale)
+            self._resident.update([(s.param, g, s.device_state, s.rounding_seed if s.stochastic else None)
+                                   for s, g in batch], hyper, device_scale)
             self.gradient_hooks.mark_updated(*(s for s, _ in batch))
 
     def _share_updates(self, slots: list) -> None:

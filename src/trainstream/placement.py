@@ -56,6 +56,7 @@ class ParamCost:
     arrival_s: float  # backward: when its gradient is complete, after the forward's end
     segment_peak: int  # profiled peak VRAM between the previous gradient's arrival and this one's
     moment_bytes: float = 8.0  # bytes an element of its two moments: 8 in fp32, 2 + 8/256 in 8 bits
+    master: bool = True  # bf16 weights keep an fp32 master (not when rounded stochastically)
 
 
 @dataclass(frozen=True)
@@ -138,11 +139,11 @@ class Plan:
 # ---------------------------------------------------------------------------------- bytes
 def state_bytes(p: ParamCost, acc: int) -> int:
     """VRAM a resident parameter's optimizer holds for the whole step: the moments, and for bf16
-    weights the fp32 master (and the fp32 sum of micro-batches)."""
+    weights the fp32 master (unless rounded stochastically) and the fp32 sum of micro-batches."""
     moments = round(p.moment_bytes * p.numel)
     if p.element_size == 4:
         return moments
-    return moments + (4 + (4 if acc > 1 else 0)) * p.numel
+    return moments + ((4 if p.master else 0) + (4 if acc > 1 else 0)) * p.numel
 
 
 def resident_grad_bytes(p: ParamCost, acc: int) -> int:

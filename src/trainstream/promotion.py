@@ -175,7 +175,7 @@ class Promotion:
         tied = shared_outside(blocks, self._model)
         costs = from_shapes.resident_costs([s.weight.numel() for s in order], [s.param.element_size() for s in order],
                                           self._slots.accumulation_steps,
-                                          [eight_bit.moment_bytes(s.quantized) for s in order])
+                                          [s.state_format for s in order])
         weights = from_shapes.model_bytes(self._model)
         shapes = from_shapes.read_shapes(
             self._model, blocks, costs, self._param_blocks(len(blocks)), [j not in tied for j in range(len(blocks))],
@@ -280,7 +280,8 @@ class Promotion:
                 name=self._slots.name(s), numel=0 if s.peer else s.weight.numel(),
                 element_size=s.param.element_size(), block=where,
                 need_s=times["need_s"][s.index], arrival_s=times["arrival_s"][s.index],
-                segment_peak=times["segment_peak"][s.index], moment_bytes=eight_bit.moment_bytes(s.quantized)))
+                segment_peak=times["segment_peak"][s.index], moment_bytes=eight_bit.moment_bytes(s.quantized),
+                master=not s.stochastic))
         if blocks and times["replayed"]:
             # A recomputed block costs its share of the replayed forward (compute alone), not its
             # time in the profiled step, which the paging there stretched.
@@ -365,7 +366,7 @@ class Promotion:
         if resident:
             # (under DDP, .grad holds the window's sum: no fp32 sum of micro-batches beside it)
             state = ResidentAdamW.new_state(p, self._slots.accumulation_steps if self._dp is None else 1,
-                                            slot.quantized)
+                                            slot.quantized, slot.stochastic)
             host = engine.host_state(slot)
             for key, value in host.items():  # the host's state (and bf16 master) carries over
                 state[key].copy_(value)
@@ -382,7 +383,9 @@ class Promotion:
                 value.copy_(slot.device_state[key])
             slot.device_state = None
             slot.state.update(self._slots.shown(slot, host))
-            if p.dtype == torch.float32 and not engine.pipeline.upload_terms:
+            # (the host needs the weights where they are its state: fp32 ones without update terms,
+            # and bf16 ones without a master)
+            if slot.stochastic or p.dtype == torch.float32 and not engine.pipeline.upload_terms:
                 engine.pipeline.load_weights(slot.host, p.data_ptr(), engine.current_stream())
         slot.version = p._version
         slot.resident = resident

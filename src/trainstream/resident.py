@@ -142,17 +142,19 @@ class ResidentAdamW:
         self._maps = None if maps is None else tuple(m.to(device) for m in maps)
 
     @staticmethod
-    def new_state(param: torch.Tensor, accumulation_steps: int, quantized: bool = False) -> dict:
+    def new_state(param: torch.Tensor, accumulation_steps: int, quantized: bool = False,
+                  stochastic: bool = False) -> dict:
         """Zeroed moments beside the weights (8-bit codes and scales where `quantized`); bf16
-        weights also get their fp32 master (and, with accumulation, an fp32 sum of the
-        micro-batches, as the host sums them)."""
+        weights also get their fp32 master, unless `stochastic` (rounded stochastically, they are
+        their own), and with accumulation an fp32 sum of the micro-batches, as the host sums them."""
         if quantized:
             state = eight_bit.zeros(param.numel(), param.device)
         else:
             state = {"exp_avg": torch.zeros(param.shape, dtype=torch.float32, device=param.device),
                      "exp_avg_sq": torch.zeros(param.shape, dtype=torch.float32, device=param.device)}
         if param.dtype == torch.bfloat16:
-            state["master_param"] = param.detach().float()
+            if not stochastic:
+                state["master_param"] = param.detach().float()
             if accumulation_steps > 1:
                 state["accumulator"] = torch.zeros(param.shape, dtype=torch.float32, device=param.device)
         return state
@@ -193,11 +195,12 @@ class ResidentAdamW:
                              scale.data_ptr())
         return scale
 
-    def update(self, items: list[tuple[torch.Tensor, torch.Tensor, dict]], hyper: dict,
+    def update(self, items: list[tuple[torch.Tensor, torch.Tensor, dict, int | None]], hyper: dict,
                device_scale: torch.Tensor | None = None) -> None:
-        """AdamW over (param, gradient, state) triples that share `hyper` (lr, beta1, beta2, eps,
-        weight_decay, step, grad_scale, maximize), in place, on the current stream; a
-        `device_scale` (clip_scale()) replaces grad_scale."""
+        """AdamW over (param, gradient, state, rounding seed) items that share `hyper` (lr,
+        beta1, beta2, eps, weight_decay, step, grad_scale, maximize), in place, on the current
+        stream; a `device_scale` (clip_scale()) replaces grad_scale. A seed (not None) marks bf16
+        weights with 8-bit moments and no master, rounded stochastically."""
         quantized = [item for item in items if "exp_avg_codes" in item[2]]
         if quantized:
             self._update_8bit(quantized, hyper, device_scale)
@@ -205,7 +208,7 @@ class ResidentAdamW:
         if not items:
             return
         if not self._cuda:
-            for param, grad, state in items:
+            for param, grad, state, _ in items:
                 bf16 = param.dtype == torch.bfloat16
                 weights = state["master_param"] if bf16 else param
                 self._host.step(weights.data_ptr(), grad.data_ptr(), DTYPE_NAMES[grad.dtype],
@@ -213,38 +216,40 @@ class ResidentAdamW:
                                 param_bf16=param.data_ptr() if bf16 else 0, **hyper)
             return
         weights, bf16_out = [], []
-        for param, _, state in items:
+        for param, _, state, _ in items:
             bf16 = param.dtype == torch.bfloat16
             weights.append((state["master_param"] if bf16 else param).data_ptr())
             bf16_out.append(param.data_ptr() if bf16 else 0)
         _C.device_adamw_step(
             self.device.index, torch.cuda.current_stream(self.device).cuda_stream, weights,
-            [g.data_ptr() for _, g, _ in items], [DTYPE_NAMES[g.dtype] for _, g, _ in items],
-            [s["exp_avg"].data_ptr() for _, _, s in items], [s["exp_avg_sq"].data_ptr() for _, _, s in items],
-            bf16_out, [p.numel() for p, _, _ in items],
+            [g.data_ptr() for _, g, _, _ in items], [DTYPE_NAMES[g.dtype] for _, g, _, _ in items],
+            [s["exp_avg"].data_ptr() for _, _, s, _ in items], [s["exp_avg_sq"].data_ptr() for _, _, s, _ in items],
+            bf16_out, [p.numel() for p, _, _, _ in items],
             device_scale=device_scale.data_ptr() if device_scale is not None else 0, **hyper)
 
-    def _update_8bit(self, items: list[tuple[torch.Tensor, torch.Tensor, dict]], hyper: dict,
+    def _update_8bit(self, items: list[tuple[torch.Tensor, torch.Tensor, dict, int | None]], hyper: dict,
                      device_scale: torch.Tensor | None) -> None:
-        """torchao's AdamW8bit over (param, gradient, state) triples with 8-bit moments: the host
-        engine's 8-bit kernel in CPU mode, device_adamw8bit.cu on CUDA, the same bits."""
+        """torchao's AdamW8bit over update() items with 8-bit moments: the host engine's 8-bit
+        kernel in CPU mode, device_adamw8bit.cu on CUDA, the same bits (stochastic rounding's
+        included)."""
         hyper = {k: v for k, v in hyper.items() if k != "maximize"}  # (AdamW8bit has none)
         weights, bf16_out = [], []
-        for param, _, state in items:
-            bf16 = param.dtype == torch.bfloat16
-            weights.append((state["master_param"] if bf16 else param).data_ptr())
-            bf16_out.append(param.data_ptr() if bf16 else 0)
+        for param, _, state, seed in items:
+            master = param.dtype == torch.bfloat16 and seed is None
+            weights.append((state["master_param"] if master else param).data_ptr())
+            bf16_out.append(param.data_ptr() if master else 0)
         signed, unsigned = self._maps
         if not self._cuda:
-            for (param, grad, state), weight, out in zip(items, weights, bf16_out):
+            for (param, grad, state, seed), weight, out in zip(items, weights, bf16_out):
                 self._host.step_8bit(weight, grad.data_ptr(), DTYPE_NAMES[grad.dtype], state["exp_avg_codes"].data_ptr(),
                                      state["exp_avg_scale"].data_ptr(), state["exp_avg_sq_codes"].data_ptr(),
                                      state["exp_avg_sq_scale"].data_ptr(), signed.data_ptr(), unsigned.data_ptr(),
-                                     param.numel(), param_bf16=out, **hyper)
+                                     param.numel(), param_bf16=out, stochastic_seed=seed, **hyper)
             return
         _C.device_adamw8bit_step(
             self.device.index, torch.cuda.current_stream(self.device).cuda_stream, weights,
-            [g.data_ptr() for _, g, _ in items], [DTYPE_NAMES[g.dtype] for _, g, _ in items],
-            *([s[key].data_ptr() for _, _, s in items] for key in eight_bit.RAW_KEYS), bf16_out,
-            [p.numel() for p, _, _ in items], signed.data_ptr(), unsigned.data_ptr(),
-            device_scale=device_scale.data_ptr() if device_scale is not None else 0, **hyper)
+            [g.data_ptr() for _, g, _, _ in items], [DTYPE_NAMES[g.dtype] for _, g, _, _ in items],
+            *([s[key].data_ptr() for _, _, s, _ in items] for key in eight_bit.RAW_KEYS), bf16_out,
+            [p.numel() for p, _, _, _ in items], signed.data_ptr(), unsigned.data_ptr(),
+            device_scale=device_scale.data_ptr() if device_scale is not None else 0,
+            seeds=[-1 if seed is None else seed for _, _, _, seed in items], **hyper)

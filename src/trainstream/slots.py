@@ -49,6 +49,14 @@ class Slot:
     # its last gradient's VRAM, lent to the pipeline for the speculated update term until its commit
     held_term: torch.Tensor | None = None
     quantized: bool = False  # blockwise 8-bit moments (trainstream.eight_bit), wherever it lives
+    # bf16 weights without a master, rounded stochastically with this seed (eight_bit.rounding_seed)
+    stochastic: bool = False
+    rounding_seed: int = 0
+
+    @property
+    def state_format(self) -> str:
+        """As eight_bit.state_format names it: 'fp32', '8bit' or '8bit-sr'."""
+        return "8bit-sr" if self.stochastic else "8bit" if self.quantized else "fp32"
 
     @property
     def weight(self) -> torch.Tensor:
@@ -154,8 +162,10 @@ class Engine:
 
     @staticmethod
     def host_tensor(host, name: str, like: torch.Tensor) -> torch.Tensor:
-        """A view of one of a HostParam's fp32 buffers, shaped as `like`."""
-        return torch.frombuffer(host.view(name), dtype=torch.float32).view(like.shape)
+        """A view of one of a HostParam's fp32 buffers, shaped as `like` (the weights themselves,
+        bf16, for the master of stochastically rounded ones)."""
+        bf16 = name.endswith("master") and host.moments == "8bit-sr"
+        return torch.frombuffer(host.view(name), dtype=torch.bfloat16 if bf16 else torch.float32).view(like.shape)
 
     @staticmethod
     def host_codes(host, prefix: str = "") -> dict:
@@ -172,7 +182,7 @@ class Engine:
         else:
             state = {"exp_avg": self.host_tensor(slot.host, "exp_avg", slot.weight),
                      "exp_avg_sq": self.host_tensor(slot.host, "exp_avg_sq", slot.weight)}
-        if slot.param.dtype == torch.bfloat16:  # the fp32 master is what bf16 training resumes from
+        if slot.param.dtype == torch.bfloat16 and not slot.stochastic:  # what bf16 training resumes from
             state["master_param"] = self.host_tensor(slot.host, "master", slot.weight)
         return state
 

@@ -53,11 +53,11 @@ def host_bytes_per_param(dtype: torch.dtype, host_accumulator: bool) -> int:
     return _C.OffloadPipeline.state_bytes(1, DTYPE_NAMES[dtype], host_accumulator)
 
 
-def offloaded_state_bytes(p: torch.Tensor, host_accumulator: bool, compact: bool) -> int:
-    """Host bytes of one offloaded parameter's state; `compact`: under torchao's AdamW8bit, whose
-    larger parameters keep 8-bit moments (codes and block scales) in place of fp32 ones."""
-    moments = "8bit" if compact and eight_bit.quantizes(p.numel()) else "fp32"
-    return _C.OffloadPipeline.state_bytes(p.numel(), DTYPE_NAMES[p.dtype], host_accumulator, moments)
+def offloaded_state_bytes(p: torch.Tensor, host_accumulator: bool, state_format: str = "fp32") -> int:
+    """Host bytes of one offloaded parameter's state, kept as `state_format` says
+    (eight_bit.state_format: fp32 moments, or 8-bit codes and block scales over an fp32 master or
+    over bf16 weights that are their own)."""
+    return _C.OffloadPipeline.state_bytes(p.numel(), DTYPE_NAMES[p.dtype], host_accumulator, state_format)
 
 
 def wrap(
@@ -230,9 +230,9 @@ def wrap(
     residents = resident_at_start(tuning.placement, len(unique))
     if auto and budget is not None and ddp is None and not sharded:  # the first plan's start: first_plan.py
         residents = _start_residents(model, unique, streamed, budget, int(accumulation_steps), tuning.prefetch_depth,
-                                     compact)
+                                     optimizer)
     if ddp is None and not sharded:  # (before the optimizer pins any of it)
-        _check_host_memory(unique[residents:], host_accumulator, host, streamed, compact)
+        _check_host_memory(unique[residents:], host_accumulator, host, streamed, optimizer)
     if on_host:
         _place(model, device, streamed)
     data_parallel = DataParallel(ddp, owners) if ddp is not None else None
@@ -354,7 +354,7 @@ def _streamed_to_fit(model: torch.nn.Module, blocks: list[torch.nn.Module], budg
 
 
 def _start_residents(model: torch.nn.Module, params: list[torch.nn.Parameter], streamed: list[torch.nn.Module],
-                     budget: int, accumulation_steps: int, depth: int, compact: bool) -> int:
+                     budget: int, accumulation_steps: int, depth: int, optimizer: torch.optim.Optimizer) -> int:
     """How many of the first trainable parameters keep their state in VRAM from wrap() on, taking
     no host memory (the first plan may offload some at the first forward): those before any
     streamed block's whose state fits a share of the budget beside the weights."""
@@ -364,32 +364,37 @@ def _start_residents(model: torch.nn.Module, params: list[torch.nn.Parameter], s
     weights = model_bytes(model)
     weights = weights_on_device(weights, sizes, len(sizes), depth)
     costs = resident_costs([p.numel() for p in params[:before]], [p.element_size() for p in params[:before]],
-                           accumulation_steps, [eight_bit.moment_bytes(compact and eight_bit.quantizes(p.numel()))
-                                                for p in params[:before]])
+                           accumulation_steps, [eight_bit.state_format(optimizer, p) for p in params[:before]])
     return start_residents(costs, weights, budget)
 
 
-def streamed_host_bytes(modules: list[torch.nn.Module]) -> int:
+def streamed_host_bytes(modules: list[torch.nn.Module], optimizer: torch.optim.Optimizer | None = None) -> int:
     """Host bytes that streaming `modules` adds to their parameters' offloaded state: a bf16 copy
-    of trainable bf16 weights (fp32 ones stream from their master), frozen weights whole."""
+    of trainable bf16 weights (fp32 ones stream from their master, stochastically rounded bf16
+    ones from their state), frozen weights whole."""
     params = {id(p): p for m in modules for p in m.parameters()}.values()
-    return sum(p.numel() * (2 if p.dtype == torch.bfloat16 else 0) if p.requires_grad
+    copied = lambda p: p.dtype == torch.bfloat16 and eight_bit.state_format(optimizer, p) != "8bit-sr"
+    return sum(p.numel() * (2 if copied(p) else 0) if p.requires_grad
                else p.numel() * p.element_size() for p in params)
 
 
 def _check_host_memory(params: list[torch.Tensor], host_accumulator: bool, budget: HostBudget,
-                       streamed: list[torch.nn.Module] = (), compact: bool = False) -> None:
+                       streamed: list[torch.nn.Module] = (), optimizer: torch.optim.Optimizer | None = None) -> None:
     """Refuses, before anything is pinned, offloaded state that the host budget cannot hold."""
-    needed = sum(offloaded_state_bytes(p, host_accumulator, compact) for p in params)
-    weights = streamed_host_bytes(list(streamed))
+    formats = [eight_bit.state_format(optimizer, p) for p in params]
+    needed = sum(offloaded_state_bytes(p, host_accumulator, f) for p, f in zip(params, formats))
+    state = ("bf16 weights rounded stochastically (no master) and 8-bit AdamW moments, fp32 master weights and "
+             "moments for the rest" if "8bit-sr" in formats else
+             "fp32 master weights, two AdamW moments (8-bit where torchao quantizes them)" if "8bit" in formats else
+             "fp32 master weights, two AdamW moments")
+    weights = streamed_host_bytes(list(streamed), optimizer)
     if budget.limit is not None and needed + weights > budget.limit:
         count = max(sum(p.numel() for p in params), 1)
         origin = (f"what this process may use now ({budget.source}) less a margin of {budget.margin / _GIB:.1f} GiB"
                   if budget.margin else budget.source)
         raise HostMemoryError(
             f"TrainStream needs {(needed + weights) / _GIB:.1f} GiB of host RAM: {needed / _GIB:.1f} GiB for "
-            f"{count / 1e9:.2f}B offloaded parameters ({needed / count:.1f} bytes each: fp32 master weights, "
-            f"two AdamW moments{' (8-bit where torchao quantizes them)' if compact else ''}, "
+            f"{count / 1e9:.2f}B offloaded parameters ({needed / count:.1f} bytes each: {state}, "
             + ("an fp32 accumulator, a landing buffer for bf16 weights' gradients" if host_accumulator
                else "a landing buffer for the gradient") + ")"
             + (f" and {weights / _GIB:.1f} GiB more for the weights of {len(streamed)} streamed blocks (bf16 "

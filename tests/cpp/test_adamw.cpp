@@ -326,6 +326,123 @@ TEST_CASE("8-bit updates out of place write the in-place results and leave what 
   }
 }
 
+TEST_CASE("bf16 stochastic rounding: the same bits from every kernel, unbiased, reproducible from the seed") {
+  std::vector<float> map(256), unsigned_map(256);
+  for (int i = 0; i < 256; ++i) {
+    const float u = -1.0f + 2.0f * static_cast<float>(i) / 255.0f;
+    map[i] = std::copysign(u * u * u, u);
+    unsigned_map[i] = std::pow(static_cast<float>(i) / 255.0f, 3.0f);
+  }
+  const std::size_t n = 64 * kQuantBlock, blocks = n / kQuantBlock;
+  std::vector<std::uint16_t> g(n), w0(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    g[i] = float_to_bf16(unit(3, i) * (i % 5 == 0 ? 1e-4f : 1.0f));
+    w0[i] = float_to_bf16(unit(4, i));
+  }
+  w0[5] = 0x7fc0;  // a NaN weight stays NaN
+  w0[6] = 0x7f80;  // +inf: decayed as p - lr * wd * p, NaN
+  struct Out {
+    std::vector<std::uint16_t> w, copy;
+    std::vector<std::uint8_t> codes;
+    std::vector<float> scales;
+  };
+  const auto run = [&](Isa isa, std::uint64_t seed, std::int64_t step, bool out_of_place) {
+    Out o{w0, std::vector<std::uint16_t>(n, 0), std::vector<std::uint8_t>(2 * n, 140), std::vector<float>(2 * blocks, 0.25f)};
+    std::vector<std::uint16_t> w_out(n, 0);
+    std::vector<std::uint8_t> c_out(2 * n, 0);
+    std::vector<float> s_out(2 * blocks, 0.0f);
+    AdamW8bitBuffers b;
+    b.param16 = o.w.data();
+    b.grad = g.data();
+    b.grad_dtype = DType::bfloat16;
+    b.exp_avg = {o.codes.data(), o.scales.data()};
+    b.exp_avg_sq = {o.codes.data() + n, o.scales.data() + blocks};
+    b.signed_qmap = map.data();
+    b.unsigned_qmap = unsigned_map.data();
+    b.param_bf16 = o.copy.data();
+    b.numel = n;
+    if (out_of_place) {
+      b.param16_out = w_out.data();
+      b.exp_avg_out = {c_out.data(), s_out.data()};
+      b.exp_avg_sq_out = {c_out.data() + n, s_out.data() + blocks};
+    }
+    AdamW8bitHyper h;
+    h.lr = 1e-2f;
+    h.step = step;
+    h.stochastic_round = true;
+    h.seed = seed;
+    ThreadPool pool(3);
+    adamw8bit_step(pool, b, h, isa);
+    if (out_of_place) {
+      CHECK(o.w == w0);  // what it read is untouched
+      o.w = w_out;
+      o.codes = c_out;
+      o.scales = s_out;
+    }
+    return o;
+  };
+  const Out want = run(Isa::scalar, 11, 4, false);
+  CHECK(want.copy == want.w);  // the upload copy is the same rounding
+  CHECK(want.w[5] == 0x7fc0 && want.w[6] == 0x7fc0);
+  for (Isa isa : {Isa::scalar, Isa::avx2, Isa::avx512}) {
+    if (!isa_supported(isa)) {
+      skip(std::string(isa_name(isa)) + " stochastic rounding", "this CPU lacks it");
+      continue;
+    }
+    for (bool out_of_place : {false, true}) {
+      const Out got = run(isa, 11, 4, out_of_place);
+      CHECK(got.w == want.w && got.copy == want.copy && got.codes == want.codes && got.scales == want.scales);
+    }
+  }
+  // Another seed or another step draws other bits; the moments do not depend on them.
+  for (const Out& other : {run(Isa::scalar, 12, 4, false), run(Isa::scalar, 11, 5, false)}) {
+    std::size_t differ = 0;
+    for (std::size_t i = 0; i < n; ++i) differ += other.w[i] != want.w[i];
+    CHECK(differ > n / 100);
+  }
+  CHECK(run(Isa::scalar, 12, 4, false).codes == want.codes);
+  // Each result is one of the two bf16 neighbours of the fp32 update (here the RNE kernel's
+  // fp32 weights, from the same bf16 start), and rounds up about as often as its fraction says.
+  std::vector<float> master(n);
+  for (std::size_t i = 0; i < n; ++i) master[i] = bf16_to_float(w0[i]);
+  AdamW8bitBuffers b;
+  std::vector<std::uint8_t> codes(2 * n, 140);
+  std::vector<float> scales(2 * blocks, 0.25f);
+  b.param = master.data();
+  b.grad = g.data();
+  b.grad_dtype = DType::bfloat16;
+  b.exp_avg = {codes.data(), scales.data()};
+  b.exp_avg_sq = {codes.data() + n, scales.data() + blocks};
+  b.signed_qmap = map.data();
+  b.unsigned_qmap = unsigned_map.data();
+  b.numel = n;
+  AdamW8bitHyper h;
+  h.lr = 1e-2f;
+  h.step = 4;
+  ThreadPool pool(1);
+  adamw8bit_step(pool, b, h, Isa::scalar);
+  double expected_up = 0, up = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    if (!std::isfinite(master[i])) continue;
+    const std::uint32_t bits = bits_of(master[i]);
+    const std::uint16_t down = static_cast<std::uint16_t>(bits >> 16);
+    CHECK((want.w[i] == down || want.w[i] == down + 1));
+    expected_up += (bits & 0xffff) / 65536.0;
+    up += want.w[i] == down + 1;
+  }
+  CHECK(std::fabs(up - expected_up) < 4 * std::sqrt(expected_up) + 1);
+  // The bits themselves: uniform over 16 bits (each of 16 bins within 5% of its share).
+  std::vector<std::size_t> bins(16, 0);
+  const RoundingKey key = rounding_key(1, 1);
+  for (std::uint32_t i = 0; i < (1u << 20); ++i) ++bins[rounding_bits(key, i) >> 12];
+  for (std::size_t count : bins) CHECK(count > 62259 && count < 68813);
+  // Refused: stochastic rounding with fp32 weights, bf16 weights without it.
+  b.param16 = w0.data();
+  CHECK_THROWS_AS(adamw8bit_step(pool, b, h, Isa::scalar), std::invalid_argument);
+  b.param = nullptr;
+  CHECK_THROWS_AS(adamw8bit_step(pool, b, h, Isa::scalar), std::invalid_argument);
+}
+
 TEST_CASE("every supported vector kernel matches the scalar kernel bit for bit") {
   for (Isa isa : kVectorIsas) {
     if (!isa_supported(isa)) {

@@ -1033,6 +1033,62 @@ TEST_CASE("8-bit moments update as adamw8bit_step does, in chunks across threads
   }
 }
 
+TEST_CASE("stochastically rounded bf16 weights are their own state: 6 bytes a parameter, adamw8bit_step's bits") {
+  const std::vector<float> signed_map = test_map(true), unsigned_map = test_map(false);
+  Rig rig(std::size_t(1) << 30, true, 3);
+  rig.pipeline->set_quantization_maps(signed_map.data(), unsigned_map.data());
+  CHECK_THROWS_AS(rig.pipeline->add_param(4096, DType::float32, false, 0, true, Moments::blockwise8_sr),
+                  std::invalid_argument);  // fp32 weights have no stochastic rounding
+  const std::size_t n = 5 * 4096 + 768;
+  std::vector<std::uint16_t> weight(n), grad(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    weight[i] = float_to_bf16(std::cos(0.11f * i));
+    grad[i] = float_to_bf16(std::sin(0.37f * i) * (1.0f + (i % 300)));
+  }
+  auto p = rig.pipeline->add_param(n, DType::bfloat16, false, 0, true, Moments::blockwise8_sr);
+  p->rounding_seed = 42;
+  CHECK(p->master == nullptr && p->master_bf16 != nullptr && p->holds_state());
+  const std::size_t blocks = 2 * HostArena::rounded(4 * n / kQuantBlock);
+  CHECK(OffloadPipeline::state_bytes(*p) == (2 + 2 + 2) * n + blocks);  // weights, gradient, codes
+  CHECK(OffloadPipeline::state_bytes(n, DType::bfloat16, false, Moments::blockwise8) == (4 + 2 + 2) * n + blocks);
+  rig.pipeline->load_weights(*p, addr(weight.data()), 0);
+  CHECK(std::memcmp(p->master_bf16, weight.data(), 2 * n) == 0);
+  std::vector<std::uint16_t> ref_w = weight;
+  std::vector<float> ref_s(2 * (n / kQuantBlock), 0.f);
+  std::vector<std::uint8_t> ref_c(2 * n, 0);
+  ThreadPool pool(1);
+  for (int step = 1; step <= 3; ++step) {
+    GradJob job = update_job(addr(weight.data()));
+    job.hyper.lr = 0.01;
+    job.hyper.step = step;
+    rig.pipeline->land_gradient(p, addr(grad.data()), 0, job);
+    rig.transfer->land_all();
+    rig.pipeline->synchronize();
+    AdamW8bitBuffers b;
+    b.param16 = ref_w.data();
+    b.grad = grad.data();
+    b.grad_dtype = DType::bfloat16;
+    b.exp_avg = {ref_c.data(), ref_s.data()};
+    b.exp_avg_sq = {ref_c.data() + n, ref_s.data() + n / kQuantBlock};
+    b.signed_qmap = signed_map.data();
+    b.unsigned_qmap = unsigned_map.data();
+    b.numel = n;
+    AdamW8bitHyper h;
+    h.lr = 0.01f;
+    h.step = step;
+    h.stochastic_round = true;
+    h.seed = 42;
+    adamw8bit_step(pool, b, h, Isa::scalar);
+  }
+  CHECK(std::memcmp(p->master_bf16, ref_w.data(), 2 * n) == 0);
+  CHECK(weight == ref_w);  // what went up is the state
+  CHECK(std::memcmp(p->exp_avg_sq8.codes, ref_c.data() + n, n) == 0);
+  const std::size_t held = OffloadPipeline::state_bytes(*p);
+  CHECK(rig.pipeline->release_state(*p) == held);
+  CHECK(p->master_bf16 == nullptr && !p->holds_state());
+  CHECK(rig.pipeline->take_state(*p) == held);
+}
+
 TEST_CASE("8-bit moments are refused without maps, for partial blocks, and when maximizing") {
   Rig rig;
   CHECK_THROWS_AS(rig.pipeline->add_param(4096, DType::float32, false, 0, true, Moments::blockwise8),
@@ -1054,7 +1110,10 @@ TEST_CASE("8-bit moments are refused without maps, for partial blocks, and when 
 TEST_CASE("8-bit moments speculate: a commit gives the waiting path's bits, a redo starts from untouched state") {
   const std::vector<float> signed_map = test_map(true), unsigned_map = test_map(false);
   const std::size_t n = 3 * 4096 + 256;
-  for (DType dtype : {DType::float32, DType::bfloat16}) {
+  // fp32 and bf16 weights over an fp32 master, and bf16 weights without one (stochastic rounding)
+  for (auto [dtype, moments] : {std::pair{DType::float32, Moments::blockwise8}, {DType::bfloat16, Moments::blockwise8},
+                                {DType::bfloat16, Moments::blockwise8_sr}}) {
+    const bool stochastic = moments == Moments::blockwise8_sr;
     Rig waiting(std::size_t(1) << 30, true, 3), speculating(std::size_t(1) << 30, true, 3);
     Rig* rigs[2] = {&waiting, &speculating};
     std::vector<std::vector<unsigned char>> weights;
@@ -1062,14 +1121,23 @@ TEST_CASE("8-bit moments speculate: a commit gives the waiting path's bits, a re
     for (Rig* rig : rigs) {
       rig->pipeline->set_quantization_maps(signed_map.data(), unsigned_map.data());
       weights.push_back(device_buffer(dtype, n, grad_value, 99));
-      params.push_back(rig->pipeline->add_param(n, dtype, false, 0, true, Moments::blockwise8));
+      params.push_back(rig->pipeline->add_param(n, dtype, false, 0, true, moments));
+      params.back()->rounding_seed = 5;
       rig->pipeline->load_weights(*params.back(), addr(weights.back().data()), 0);
     }
     HostParam& p = *params[1];
     const std::size_t bytes = speculating.pipeline->enable_speculation(p);
-    CHECK(bytes == OffloadPipeline::speculation_bytes(n, dtype, Moments::blockwise8));
+    CHECK(bytes == OffloadPipeline::speculation_bytes(n, dtype, moments));
     CHECK(bytes < OffloadPipeline::speculation_bytes(n, dtype));  // a second set of codes, not of floats
-    CHECK(p.has_next_state() && p.next_exp_avg8.codes != nullptr && p.next_master != nullptr);
+    CHECK(p.has_next_state() && p.next_exp_avg8.codes != nullptr);
+    CHECK((stochastic ? p.next_master_bf16 != nullptr && p.next_master == nullptr && p.next_bf16 == nullptr
+                      : p.next_master != nullptr));
+    // the weights the state holds: an fp32 master, or the bf16 weights themselves
+    const auto master = [&](const HostParam& q) {
+      const auto* at = stochastic ? static_cast<const unsigned char*>(static_cast<const void*>(q.master_bf16))
+                                  : static_cast<const unsigned char*>(static_cast<const void*>(q.master));
+      return std::vector<unsigned char>(at, at + (stochastic ? 2 : 4) * n);
+    };
     const double scales[] = {1.0, 0.25, 1.0, 0.5};  // hit, miss, hit, miss
     for (int step = 1; step <= 4; ++step) {
       const double scale = scales[step - 1];
@@ -1083,7 +1151,7 @@ TEST_CASE("8-bit moments speculate: a commit gives the waiting path's bits, a re
       waiting.pipeline->synchronize();
 
       const std::vector<std::uint8_t> codes0(p.exp_avg8.codes, p.exp_avg8.codes + n);
-      const std::vector<float> master0(p.master, p.master + n);
+      const std::vector<unsigned char> master0 = master(p);
       const std::vector<unsigned char> w0 = weights[1];
       GradJob spec = job;
       spec.device_weight = addr(weights[1].data());
@@ -1094,8 +1162,9 @@ TEST_CASE("8-bit moments speculate: a commit gives the waiting path's bits, a re
       speculating.pipeline->synchronize();
       // nothing committed: the state as it was; fp32 weights wait for the commit, bf16 ones went up
       CHECK(std::memcmp(codes0.data(), p.exp_avg8.codes, n) == 0);
-      CHECK(std::memcmp(master0.data(), p.master, 4 * n) == 0);
+      CHECK(master0 == master(p));
       if (dtype == DType::float32) CHECK(weights[1] == w0);
+      if (stochastic) CHECK(weights[1] != w0);  // (went up from the second set)
       if (scale == 1.0) {
         speculating.pipeline->commit({params[1]}, {spec.device_weight}, nullptr);
       } else {
@@ -1106,7 +1175,8 @@ TEST_CASE("8-bit moments speculate: a commit gives the waiting path's bits, a re
       }
       speculating.pipeline->synchronize();
       CHECK(weights[0] == weights[1]);
-      CHECK(std::memcmp(params[0]->master, p.master, 4 * n) == 0);
+      CHECK(master(*params[0]) == master(p));
+      if (stochastic) CHECK(std::memcmp(p.master_bf16, weights[1].data(), 2 * n) == 0);  // the state went up
       CHECK(std::memcmp(params[0]->exp_avg8.codes, p.exp_avg8.codes, n) == 0);
       CHECK(std::memcmp(params[0]->exp_avg_sq8.codes, p.exp_avg_sq8.codes, n) == 0);
       CHECK(std::memcmp(params[0]->exp_avg_sq8.scale, p.exp_avg_sq8.scale, 4 * (n / kQuantBlock)) == 0);

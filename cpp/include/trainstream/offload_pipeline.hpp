@@ -24,8 +24,11 @@
 namespace trainstream {
 
 // How a parameter's moments are held: fp32 (torch's AdamW), or blockwise 8-bit codes and scales
-// (torchao's AdamW8bit, adamw8bit.hpp: its update, over the fp32 master).
-enum class Moments : int { fp32 = 0, blockwise8 = 1 };
+// (torchao's AdamW8bit, adamw8bit.hpp: its update, over the fp32 master); blockwise8_sr: the same
+// over bf16 weights that are their own state, without a master, each update rounded
+// stochastically (AdamW8bit(bf16_stochastic_round=True)).
+enum class Moments : int { fp32 = 0, blockwise8 = 1, blockwise8_sr = 2 };
+inline bool quantized(Moments m) { return m != Moments::fp32; }
 
 // One parameter's host state: fp32 master weights, AdamW moments, the landing buffer for its
 // gradient (in the weight dtype; for bf16 weights it also carries the bf16 weights back up; an
@@ -39,6 +42,10 @@ class HostParam {
   // The fp32 master weights; for fp32 weights with OffloadPipeline::upload_terms, the last update
   // term instead (the weights themselves are then only on the device).
   float* master = nullptr;
+  // Moments::blockwise8_sr: the bf16 weights, which are the state (master null), and the seed of
+  // their stochastic rounding (AdamW8bitHyper::seed), fixed for the parameter's life.
+  std::uint16_t* master_bf16 = nullptr;
+  std::uint64_t rounding_seed = 0;
   float* exp_avg = nullptr;
   float* exp_avg_sq = nullptr;
   // Moments::blockwise8: the moments as codes and block scales instead (exp_avg, exp_avg_sq null).
@@ -55,6 +62,7 @@ class HostParam {
   float* next_exp_avg_sq = nullptr;
   float* next_master = nullptr;  // (8-bit moments: for fp32 weights too, whose master is state)
   std::uint16_t* next_bf16 = nullptr;
+  std::uint16_t* next_master_bf16 = nullptr;  // (blockwise8_sr: the next weights, which also go up)
   Quantized next_exp_avg8;  // Moments::blockwise8: the second set of codes and scales
   Quantized next_exp_avg_sq8;
   // Weights kept in host memory (OffloadPipeline::keep_weights_on_host): bf16 weights' rounding is
@@ -73,7 +81,7 @@ class HostParam {
   bool last_gradient_as_bf16() const { return sent_bf16_; }
   // False once OffloadPipeline::release_state gave its buffers back (the parameter is resident),
   // until take_state takes new ones.
-  bool holds_state() const { return master != nullptr; }
+  bool holds_state() const { return master != nullptr || master_bf16 != nullptr; }
   // Whether enable_speculation gave it a second state set.
   bool has_next_state() const { return next_exp_avg != nullptr || next_exp_avg8.codes != nullptr; }
 
@@ -362,7 +370,8 @@ class OffloadPipeline {
   // Keeps the parameter's current weights in host memory from now on, in its weight dtype, for a
   // caller that brings them to the device itself (weight streaming): fp32 weights in the master,
   // which an update without device_weight rewrites whole even with upload_terms; bf16 weights in
-  // a buffer of their own from the arena, filled by the caller and rewritten by each update.
+  // a buffer of their own from the arena, filled by the caller and rewritten by each update
+  // (stochastically rounded ones in their state, which they are).
   // Its updates no longer speculate (check_job refuses). Returns the host bytes it took (0 if it
   // had them).
   std::size_t keep_weights_on_host(HostParam& p);

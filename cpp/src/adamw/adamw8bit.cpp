@@ -105,6 +105,14 @@ inline float lerp(float start, float end, float coeff, bool from_start) {
 
 }  // namespace
 
+RoundingKey rounding_key(std::uint64_t seed, std::int64_t step) {
+  std::uint64_t z = seed + 0x9e3779b97f4a7c15ull * (static_cast<std::uint64_t>(step) + 1);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  z ^= z >> 31;
+  return RoundingKey{static_cast<std::uint32_t>(z), static_cast<std::uint32_t>(z >> 32)};
+}
+
 AdamW8bitCoeffs adamw8bit_coeffs(const AdamW8bitHyper& h) {
   TS_EXPECTS(std::isfinite(h.lr) && h.lr >= 0, "AdamW8bit: lr must be finite and >= 0");
   TS_EXPECTS(h.beta1 >= 0 && h.beta1 < 1 && h.beta2 >= 0 && h.beta2 < 1, "AdamW8bit: betas must be in [0, 1)");
@@ -125,6 +133,7 @@ AdamW8bitCoeffs adamw8bit_coeffs(const AdamW8bitHyper& h) {
   c.m_coeff = c.m_from_start ? wm : wm - 1.0f;
   c.v_from_start = wv < 0.5f;
   c.v_coeff = c.v_from_start ? wv : wv - 1.0f;
+  if (h.stochastic_round) c.key = rounding_key(h.seed, h.step);
   return c;
 }
 
@@ -152,12 +161,20 @@ void update_blocks(const AdamW8bitBuffers& buf, const Coeffs& c, const eight_bit
       g = g * c.grad_scale;
       m[i] = lerp(buf.signed_qmap[buf.exp_avg.codes[at + i]] * m_scale, g, c.m_coeff, c.m_from_start);
       v[i] = lerp(buf.unsigned_qmap[buf.exp_avg_sq.codes[at + i]] * v_scale, g * g, c.v_coeff, c.v_from_start);
-      const float p = buf.param[at + i];
+      const float p = buf.param16 ? bf16_to_float(buf.param16[at + i]) : buf.param[at + i];
       const float decayed = p - c.lr_wd * p;
       const float denom = std::sqrt(v[i]) / c.bc2_sqrt + c.eps;
       const float updated = decayed - c.lr * (m[i] / c.bc1) / denom;
-      buf.param_out[at + i] = updated;
-      if (buf.param_bf16) buf.param_bf16[at + i] = float_to_bf16(updated);
+      if (buf.param16) {
+        std::uint32_t bits;
+        std::memcpy(&bits, &updated, sizeof bits);
+        const std::uint16_t rounded = bf16_stochastic(bits, rounding_bits(c.key, static_cast<std::uint32_t>(at + i)));
+        buf.param16_out[at + i] = rounded;
+        if (buf.param_bf16) buf.param_bf16[at + i] = rounded;
+      } else {
+        buf.param_out[at + i] = updated;
+        if (buf.param_bf16) buf.param_bf16[at + i] = float_to_bf16(updated);
+      }
     }
     store_block(m, buf.exp_avg_out, b, buf.signed_qmap);
     store_block(v, buf.exp_avg_sq_out, b, buf.unsigned_qmap);
@@ -170,7 +187,12 @@ AdamW8bitStep::AdamW8bitStep(const AdamW8bitBuffers& buf, const AdamW8bitHyper& 
   TS_EXPECTS(buf.numel > 0 && buf.numel % kQuantBlock == 0,
              "AdamW8bit: numel must be a positive multiple of " + std::to_string(kQuantBlock) + ", got " +
                  std::to_string(buf.numel));
-  TS_EXPECTS(buf.param && buf.grad && buf.exp_avg.codes && buf.exp_avg.scale && buf.exp_avg_sq.codes &&
+  TS_EXPECTS(!buf.param != !buf.param16, "AdamW8bit: fp32 weights (param) or bf16 ones (param16), one of them");
+  TS_EXPECTS(!buf.param16 == !hyper.stochastic_round,
+             "AdamW8bit: bf16 weights without a master are rounded stochastically, and only they are");
+  TS_EXPECTS(!buf.param16 || buf.numel <= (std::size_t(1) << 32),
+             "AdamW8bit: stochastic rounding numbers at most 2^32 elements a parameter");
+  TS_EXPECTS(buf.grad && buf.exp_avg.codes && buf.exp_avg.scale && buf.exp_avg_sq.codes &&
                  buf.exp_avg_sq.scale && buf.signed_qmap && buf.unsigned_qmap,
              "AdamW8bit: null buffer pointer");
   TS_EXPECTS(buf.grad_dtype == DType::float32 || buf.grad_dtype == DType::bfloat16,
@@ -183,12 +205,14 @@ AdamW8bitStep::AdamW8bitStep(const AdamW8bitBuffers& buf, const AdamW8bitHyper& 
   }
   TS_EXPECTS(buf.param_bf16 != buf.grad || buf.grad_dtype == DType::bfloat16,
              "AdamW8bit: bf16 weights written into the gradient's buffer need a bf16 gradient");
-  const bool in_place = !buf.param_out && !buf.exp_avg_out.codes && !buf.exp_avg_sq_out.codes;
-  TS_EXPECTS(in_place || (buf.param_out && buf.exp_avg_out.codes && buf.exp_avg_out.scale && buf.exp_avg_sq_out.codes &&
+  const bool in_place = !buf.param_out && !buf.param16_out && !buf.exp_avg_out.codes && !buf.exp_avg_sq_out.codes;
+  TS_EXPECTS(in_place || ((buf.param ? buf.param_out && !buf.param16_out : buf.param16_out && !buf.param_out) &&
+                          buf.exp_avg_out.codes && buf.exp_avg_out.scale && buf.exp_avg_sq_out.codes &&
                           buf.exp_avg_sq_out.scale),
              "AdamW8bit: the weights and both moments go out of place together, or none");
   if (in_place) {  // (the kernels always write through the _out pointers)
     buffers_.param_out = buf.param;
+    buffers_.param16_out = buf.param16;
     buffers_.exp_avg_out = buf.exp_avg;
     buffers_.exp_avg_sq_out = buf.exp_avg_sq;
   }

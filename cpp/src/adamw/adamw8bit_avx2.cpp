@@ -78,13 +78,19 @@ void blocks_avx2(const AdamW8bitBuffers& buf, const Coeffs& c, const QuantTable&
       _mm256_store_ps(v + i, v1);
       m_max = _mm256_max_ps(absolute(m1), m_max);  // (a NaN is skipped, as std::max skips it)
       v_max = _mm256_max_ps(absolute(v1), v_max);
-      const __m256 p = _mm256_loadu_ps(buf.param + e);
+      const __m256 p = buf.param16 ? simd::load_grad8(buf.param16, DType::bfloat16, e) : _mm256_loadu_ps(buf.param + e);
       const __m256 decayed = _mm256_sub_ps(p, _mm256_mul_ps(lr_wd, p));
       const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v1), bc2_sqrt), eps);
       const __m256 step = _mm256_div_ps(_mm256_mul_ps(lr, _mm256_div_ps(m1, bc1)), denom);
       const __m256 updated = _mm256_sub_ps(decayed, step);
-      _mm256_storeu_ps(buf.param_out + e, updated);
-      if (buf.param_bf16) _mm_storeu_si128(reinterpret_cast<__m128i*>(buf.param_bf16 + e), simd::to_bf16(updated));
+      if (buf.param16) {
+        const __m128i rounded = simd::to_bf16_stochastic(updated, c.key.k0, c.key.k1, e);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(buf.param16_out + e), rounded);
+        if (buf.param_bf16) _mm_storeu_si128(reinterpret_cast<__m128i*>(buf.param_bf16 + e), rounded);
+      } else {
+        _mm256_storeu_ps(buf.param_out + e, updated);
+        if (buf.param_bf16) _mm_storeu_si128(reinterpret_cast<__m128i*>(buf.param_bf16 + e), simd::to_bf16(updated));
+      }
     }
     store_block(m, m_max, buf.exp_avg_out, b, signed_table);
     store_block(v, v_max, buf.exp_avg_sq_out, b, unsigned_table);

@@ -100,13 +100,19 @@ void blocks_avx512(const AdamW8bitBuffers& buf, const Coeffs& c, const QuantTabl
       _mm512_store_ps(v + i, v1);
       m_max = _mm512_max_ps(absolute(m1), m_max);  // (a NaN is skipped, as std::max skips it)
       v_max = _mm512_max_ps(absolute(v1), v_max);
-      const __m512 p = _mm512_loadu_ps(buf.param + e);
+      const __m512 p = buf.param16 ? simd::load_grad16(buf.param16, DType::bfloat16, e) : _mm512_loadu_ps(buf.param + e);
       const __m512 decayed = _mm512_sub_ps(p, _mm512_mul_ps(lr_wd, p));
       const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v1), bc2_sqrt), eps);
       const __m512 step = _mm512_div_ps(_mm512_mul_ps(lr, _mm512_div_ps(m1, bc1)), denom);
       const __m512 updated = _mm512_sub_ps(decayed, step);
-      _mm512_storeu_ps(buf.param_out + e, updated);
-      if (buf.param_bf16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(buf.param_bf16 + e), simd::to_bf16(updated));
+      if (buf.param16) {
+        const __m256i rounded = simd::to_bf16_stochastic(updated, c.key.k0, c.key.k1, e);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(buf.param16_out + e), rounded);
+        if (buf.param_bf16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(buf.param_bf16 + e), rounded);
+      } else {
+        _mm512_storeu_ps(buf.param_out + e, updated);
+        if (buf.param_bf16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(buf.param_bf16 + e), simd::to_bf16(updated));
+      }
     }
     store_block(m, m_max, buf.exp_avg_out, b, signed_table);
     store_block(v, v_max, buf.exp_avg_sq_out, b, unsigned_table);

@@ -10,9 +10,10 @@ namespace trainstream {
 std::size_t OffloadPipeline::speculation_bytes(std::size_t numel, DType weight_dtype, Moments moments) {
   const bool bf16 = weight_dtype == DType::bfloat16;
   std::size_t bytes = bf16 ? HostArena::rounded(2 * numel) : 0;
-  if (moments == Moments::blockwise8) {  // codes and scales, and the master, which is state either way
-    return bytes + 2 * (HostArena::rounded(numel) + HostArena::rounded(4 * (numel / kQuantBlock))) +
-           HostArena::rounded(4 * numel);
+  if (quantized(moments)) {  // codes and scales, and the master, which is state either way
+    const std::size_t codes = 2 * (HostArena::rounded(numel) + HostArena::rounded(4 * (numel / kQuantBlock)));
+    if (moments == Moments::blockwise8_sr) return codes + HostArena::rounded(2 * numel);  // (they go up from it)
+    return bytes + codes + HostArena::rounded(4 * numel);
   }
   return bytes + 2 * HostArena::rounded(4 * numel) + (bf16 ? HostArena::rounded(4 * numel) : 0);
 }
@@ -30,7 +31,8 @@ std::size_t OffloadPipeline::enable_speculation(HostParam& p) {
     zero_fill(engine_.pool(), block, bytes);
     return block;
   };
-  const bool compact = p.moments == Moments::blockwise8, bf16 = p.weight_dtype == DType::bfloat16;
+  const bool compact = quantized(p.moments), bf16 = p.weight_dtype == DType::bfloat16;
+  const bool stochastic = p.moments == Moments::blockwise8_sr;
   const std::size_t n = p.numel;
   float* m = compact ? nullptr : static_cast<float*>(touched(4 * n));
   float* v = compact ? nullptr : static_cast<float*>(touched(4 * n));
@@ -41,14 +43,17 @@ std::size_t OffloadPipeline::enable_speculation(HostParam& p) {
       q->scale = static_cast<float*>(touched(4 * (n / kQuantBlock)));
     }
   }
-  float* master = bf16 || compact ? static_cast<float*>(touched(4 * n)) : nullptr;
-  std::uint16_t* rounded = bf16 ? static_cast<std::uint16_t*>(transfer_->arena().allocate(2 * n)) : nullptr;
+  float* master = (bf16 || compact) && !stochastic ? static_cast<float*>(touched(4 * n)) : nullptr;
+  std::uint16_t* master_bf16 = stochastic ? static_cast<std::uint16_t*>(touched(2 * n)) : nullptr;
+  std::uint16_t* rounded =
+      bf16 && !stochastic ? static_cast<std::uint16_t*>(transfer_->arena().allocate(2 * n)) : nullptr;
   std::lock_guard<std::mutex> lock(mutex_);
   p.next_exp_avg = m;
   p.next_exp_avg_sq = v;
   p.next_exp_avg8 = m8;
   p.next_exp_avg_sq8 = v8;
   p.next_master = master;
+  p.next_master_bf16 = master_bf16;
   p.next_bf16 = rounded;
   return speculation_bytes(n, p.weight_dtype, p.moments);
 }

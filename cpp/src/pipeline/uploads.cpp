@@ -12,10 +12,11 @@ void OffloadPipeline::load_weights(HostParam& p, std::uintptr_t device_weight, s
   }
   TS_EXPECTS(p.holds_state(), kReleased);
   const bool bf16 = p.weight_dtype == DType::bfloat16;
-  void* staging = bf16 ? p.grad : static_cast<void*>(p.master);
+  // (stochastically rounded bf16 weights are their own master: straight into it)
+  void* staging = p.master_bf16 ? static_cast<void*>(p.master_bf16) : bf16 ? p.grad : static_cast<void*>(p.master);
   transfer_->download(*p.slot_, staging, reinterpret_cast<const void*>(device_weight), p.weight_bytes(), stream, {});
   transfer_->wait_download(*p.slot_);
-  if (bf16) to_float32(engine_.pool(), p.master, p.grad, DType::bfloat16, p.numel);
+  if (bf16 && p.master) to_float32(engine_.pool(), p.master, p.grad, DType::bfloat16, p.numel);
 }
 
 std::size_t OffloadPipeline::keep_weights_on_host(HostParam& p) {
@@ -24,7 +25,8 @@ std::size_t OffloadPipeline::keep_weights_on_host(HostParam& p) {
   TS_EXPECTS(p.holds_state(), kReleased);
   if (p.keeps_weights_) return 0;
   std::size_t bytes = 0;
-  if (p.weight_dtype == DType::bfloat16 && p.host_bf16 == nullptr) {
+  // (stochastically rounded bf16 weights are their own state: they stream from it)
+  if (p.weight_dtype == DType::bfloat16 && p.host_bf16 == nullptr && p.moments != Moments::blockwise8_sr) {
     lock.unlock();  // (the arena has a lock of its own)
     auto* buffer = static_cast<std::uint16_t*>(transfer_->arena().allocate(2 * p.numel));
     lock.lock();

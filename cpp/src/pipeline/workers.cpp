@@ -129,7 +129,7 @@ void OffloadPipeline::start(Task& task) {
   }
   task.chunks = elementwise ? (p.numel + task.chunk - 1) / task.chunk : 1;
   if (job.norm) task.partial.assign((p.numel + kNormBlock - 1) / kNormBlock, 0.0);
-  if (job.update && !task.skip && p.moments == Moments::blockwise8) {
+  if (job.update && !task.skip && quantized(p.moments)) {
     start_8bit(task);
   } else if (job.update && !task.skip) {
     AdamWBuffers& b = task.buffers;
@@ -173,25 +173,33 @@ void OffloadPipeline::start(Task& task) {
 void OffloadPipeline::start_8bit(Task& task) {
   HostParam& p = *task.param;
   const AdamWHyper& h = task.job.hyper;
+  const bool stochastic = p.moments == Moments::blockwise8_sr;
+  const bool second_set = task.job.speculate || task.job.commit;  // (a redo too), as an exact update
   AdamW8bitBuffers b;
   b.param = p.master;
+  b.param16 = p.master_bf16;
   b.grad = task.grad;
   b.grad_dtype = task.grad_dtype;
   b.exp_avg = p.exp_avg8;
   b.exp_avg_sq = p.exp_avg_sq8;
   b.signed_qmap = quantization_maps_.data();
   b.unsigned_qmap = quantization_maps_.data() + 256;
-  if (p.weight_dtype == DType::bfloat16) {  // (up from the landing buffer, as an exact update's)
+  if (stochastic) {  // the weights are the state, and go up (or stream) from it
+    b.param_bf16 = nullptr;
+  } else if (p.weight_dtype == DType::bfloat16) {  // (up from the landing buffer, as an exact update's)
     b.param_bf16 = p.keeps_weights_ ? p.host_bf16 : static_cast<std::uint16_t*>(p.grad);
   }
-  if (task.job.speculate || task.job.commit) {  // into the second set (a redo too), as an exact update
+  if (second_set) {
     b.param_out = p.next_master;
+    b.param16_out = p.next_master_bf16;
     b.exp_avg_out = p.next_exp_avg8;
     b.exp_avg_sq_out = p.next_exp_avg_sq8;
-    if (task.job.speculate && b.param_bf16) b.param_bf16 = p.next_bf16;
+    if (task.job.speculate && b.param_bf16 && !stochastic) b.param_bf16 = p.next_bf16;
   }
   b.numel = p.numel;
-  task.buffers.param_bf16 = b.param_bf16;
+  // What goes up (upload_weights): the rounding, or the new bf16 weights themselves (a commit's
+  // swap makes the second set the state before the upload).
+  task.buffers.param_bf16 = b.param_bf16 ? b.param_bf16 : second_set ? b.param16_out : b.param16;
   AdamW8bitHyper hyper;  // torchao keeps lr and the step count as fp32 tensors
   hyper.lr = static_cast<float>(h.lr);
   hyper.beta1 = h.beta1;
@@ -200,6 +208,8 @@ void OffloadPipeline::start_8bit(Task& task) {
   hyper.weight_decay = h.weight_decay;
   hyper.step = h.step;
   hyper.grad_scale = static_cast<float>(h.grad_scale);
+  hyper.stochastic_round = stochastic;
+  hyper.seed = p.rounding_seed;
   try {
     TS_EXPECTS(!h.maximize, "OffloadPipeline: blockwise 8-bit moments do not maximize");
     task.step8.emplace(b, hyper, engine_.isa());
@@ -222,7 +232,10 @@ void OffloadPipeline::run_chunk(Task& task, std::size_t chunk) {
     squared_norm_blocks(task.grad, task.grad_dtype, begin, end, p.numel, task.partial.data() + begin / kNormBlock);
   }
   // An update writes the term buffer that the speculated term may still be going up from.
-  if (job.update && task.held_term) transfer_->wait_upload(*p.slot_);
+  // So does a redo of stochastically rounded weights: their speculated ones went up from there.
+  if (job.update && (task.held_term || (job.commit && p.moments == Moments::blockwise8_sr))) {
+    transfer_->wait_upload(*p.slot_);
+  }
   if (job.update && task.step8) {
     task.step8->run(begin / kQuantBlock, end / kQuantBlock);  // (chunks hold whole blocks)
   } else if (job.update) {
@@ -249,6 +262,7 @@ std::size_t OffloadPipeline::finish(Task& task) {
     std::swap(p.exp_avg8, p.next_exp_avg8);
     std::swap(p.exp_avg_sq8, p.next_exp_avg_sq8);
     if (p.next_master) std::swap(p.master, p.next_master);  // (bf16 weights, or 8-bit moments)
+    if (p.next_master_bf16) std::swap(p.master_bf16, p.next_master_bf16);
   }
   return upload_weights(task);
 }

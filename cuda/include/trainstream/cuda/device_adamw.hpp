@@ -39,6 +39,10 @@ struct DeviceAdamW8bitTensor {
   Quantized exp_avg;
   Quantized exp_avg_sq;
   std::uint16_t* param_bf16 = nullptr;
+  // bf16 weights without a master instead of `param` (null then): updated in place, rounded
+  // stochastically with the bits of rounding_key(seed, step), as the host kernels round them.
+  std::uint16_t* param16 = nullptr;
+  std::uint64_t seed = 0;
   std::size_t numel = 0;
 };
 
