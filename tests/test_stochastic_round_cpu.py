@@ -258,3 +258,28 @@ def test_streamed_blocks_stream_from_their_state_with_the_same_bits():
     assert "streamed bf16 weights" not in opt.describe()
     for a, b in zip(base.parameters(), model.parameters()):
         assert torch.equal(a, b)
+
+
+def test_accumulated_micro_batches_give_the_same_bits_in_every_placement():
+    """With accumulation the window's fp32 sum is what each update reads, on the host or beside the
+    weights: every placement ends with the same weights and codes."""
+    g = torch.Generator().manual_seed(3)
+    data = [[torch.randint(0, 97, (4, 17), generator=g) for _ in range(2)] for _ in range(4)]
+    runs = []
+    for placement in ("offload", "gpu", 0.5):
+        model, opt = make()
+        model, opt = trainstream.wrap(model, opt, accumulation_steps=2, max_grad_norm=1.0,
+                                      tuning=Tuning(placement=placement, threads=2))
+        for micro_batches in data:
+            for tokens in micro_batches:
+                (model.loss(tokens).float() / 2).backward()
+            opt.step()
+            opt.zero_grad()
+        opt.synchronize()
+        runs.append((model, opt))
+    (base, base_opt) = runs[0]
+    for model, opt in runs[1:]:
+        for a, b in zip(base.parameters(), model.parameters()):
+            assert torch.equal(a, b)
+            if a.requires_grad:
+                assert torch.equal(base_opt.state[a]["exp_avg"].codes, opt.state[b]["exp_avg"].codes)

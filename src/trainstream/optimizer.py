@@ -101,8 +101,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self._shards = sharded  # trainstream.distributed.Sharded under FSDP2, else None
         self._vram_sums = tuning.accumulate_in_vram  # None: the planner's choice per parameter
         self.eight_bit = eight_bit.is_adamw8bit(source)  # torchao's AdamW8bit: trainstream.eight_bit
-        self.stochastic_round = self.eight_bit and bool(getattr(source, "bf16_stochastic_round", False))
-        self._source_kind = source  # (only its kind and flags are read: eight_bit.state_format)
+        self._source = source  # (read for its kind and flags: eight_bit.state_format)
         self._rounding_base = torch.initial_seed()  # torch.manual_seed() before wrap() fixes the rounding
         maps = eight_bit.maps() if self.eight_bit else None
         if maps is not None:
@@ -196,7 +195,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         weight = local_shard(p) if self._shards is not None else p
         peer = owner is not None and owner != self._dp.rank or weight.numel() == 0
         resident = resident and not peer
-        state_format = eight_bit.state_format(self._source_kind, weight)
+        state_format = eight_bit.state_format(self._source, weight)
         quantized, stochastic = state_format != "fp32", state_format == "8bit-sr"
         seed = eight_bit.rounding_seed(self._rounding_base, i) if stochastic else 0
         host = None
