@@ -77,9 +77,9 @@ class TrainStreamTrainer(Trainer):
             norm = optimizer.last_grad_norm
             if norm is not None:
                 logs["grad_norm"] = norm
-            report = optimizer.report()
-            logs["trainstream_host_GB"] = round(report["host_bytes_used"] / 1e9, 3)
-            logs["trainstream_isa"] = report["isa"]
+            pipeline = optimizer.engine.pipeline  # (the two figures logged, not the whole report())
+            logs["trainstream_host_GB"] = round(pipeline.host_used_bytes / 1e9, 3)
+            logs["trainstream_isa"] = pipeline.isa
         super().log(logs, *args, **kwargs)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
