@@ -49,7 +49,7 @@ def build(args):
 
     torch.manual_seed(args.seed)
     return llama(vocab=256, hidden=args.hidden, layers=args.layers, heads=args.hidden // 64, seq=args.seq,
-                 intermediate=args.intermediate).cuda()
+                 intermediate=args.intermediate).to(args.device)
 
 
 def run(args) -> dict:
@@ -74,17 +74,17 @@ def run(args) -> dict:
     if wrapped:
         model, opt = trainstream.wrap(model, opt, max_grad_norm=args.clip,
                                       tuning=trainstream.Tuning(placement="offload"))
-    warmup = args.steps // 20
+    warmup = max(1, args.steps // 20)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps))))
 
     def loss_of(tokens):
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast(args.device, dtype=torch.bfloat16):
             return model(input_ids=tokens, labels=tokens).loss
 
     def evaluate() -> float:
         with torch.no_grad():
-            losses = [loss_of(t.cuda()).item() for t in batches(held_out, 8, args.batch, args.seq, seed=12345)]
+            losses = [loss_of(t.to(args.device)).item() for t in batches(held_out, 8, args.batch, args.seq, seed=12345)]
         return sum(losses) / len(losses)
 
     curve, evals, norms = [], [], []
@@ -95,14 +95,15 @@ def run(args) -> dict:
                "loss": curve, "held_out": evals, "grad_norms": norms,
                "final_train_loss": sum(curve[-100:]) / len(curve[-100:]), "final_held_out_loss": evals[-1][1],
                "norm_under_clip_share": sum(n is not None and n < args.clip for n in norms) / len(norms),
-               "seconds": time.perf_counter() - start, "device": torch.cuda.get_device_name()}
+               "seconds": time.perf_counter() - start,
+               "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu"}
         if wrapped:
             out["speculation"] = opt.report()["speculation"]
         return out
 
     start = time.perf_counter()
     for step, tokens in enumerate(batches(train_data, args.steps, args.batch, args.seq, args.seed)):
-        loss = loss_of(tokens.cuda(non_blocking=True))
+        loss = loss_of(tokens.to(args.device, non_blocking=True))
         loss.backward()
         if not wrapped:
             norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)))
@@ -158,6 +159,8 @@ def main() -> None:
     ap.add_argument("--clip", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--eval-every", type=int, default=250)
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                    help="cpu: TrainStream's CPU mode, for trying the script on a small model")
     ap.add_argument("--json", help="write the curve and figures here")
     ap.add_argument("--plot", help="with JSON files as arguments: plot their curves into this PNG")
     ap.add_argument("files", nargs="*")
