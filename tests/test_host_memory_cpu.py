@@ -1,12 +1,15 @@
 """Host memory (CPU mode): the host budget's default from the machine, offloaded state refused
 before anything is pinned when it does not fit, speculation trading its coverage against what is
 left, every byte held listed against the budget, a resident parameter's host memory given back
-and taken again when it is offloaded, and wrap() saying what it is doing."""
+and taken again when it is offloaded, what a used process still holds given back or named, and wrap()
+saying what it is doing."""
 
 from __future__ import annotations
 
+import gc
 import importlib
 import os
+import weakref
 from dataclasses import replace
 
 import pytest
@@ -259,3 +262,33 @@ def test_each_configuration_takes_the_bytes_it_states(dtype, acc, per_param):
     landing = not (acc > 1 and dtype == torch.float32)
     assert all(s.host.has_landing_buffer == landing for s in opt.slots.order)
     assert ("a gradient buffer" in opt.describe()) == landing
+
+
+def test_a_used_process_gives_back_what_it_no_longer_uses_and_names_what_it_still_holds():
+    """remove_hooks() then dropping the optimizer gives its host memory back at once, without the
+    garbage collector; a model and optimizer dropped still hooked together (a reference cycle) go
+    when the next wrap() runs; one still alive is named in describe() and report()."""
+    gc.collect()
+    gc.disable()  # only what TrainStream does may collect them
+    try:
+        model, opt = _clipped(None, steps=2)
+        pipeline = weakref.ref(opt.engine.pipeline)
+        opt.remove_hooks()
+        del opt
+        assert pipeline() is None
+
+        model, opt = _clipped(None, steps=2)
+        pipeline = weakref.ref(opt.engine.pipeline)
+        del model, opt
+        assert pipeline() is not None  # (a cycle: the model's hooks hold the optimizer)
+        _, fresh = _clipped(None)
+        assert pipeline() is None  # wrap() collected it before it read the host budget
+        assert fresh.report()["held_elsewhere_at_wrap"] == {"vram_bytes": 0, "host_bytes": 0, "host_optimizers": 0}
+        assert "elsewhere in this process" not in fresh.describe()
+
+        _, third = _clipped(None)  # `fresh` is still alive and holds its state
+        held = third.report()["held_elsewhere_at_wrap"]
+        assert held["host_optimizers"] == 1 and held["host_bytes"] == sum(fresh.host_memory().values()) > 0
+        assert "held by 1 other TrainStream optimizer(s) still alive" in third.describe()
+    finally:
+        gc.enable()

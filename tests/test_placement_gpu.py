@@ -313,6 +313,43 @@ def test_a_capped_process_trains_within_its_budget_with_no_option(share):
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
 
 
+def test_a_used_process_plans_as_a_fresh_one_and_names_what_others_hold():
+    """Under a cap, after stock training of another model in the same process (its segments left
+    cached in torch's allocator, model and optimizer dropped, a wrapped pair dropped still hooked
+    together), wrap() plans what it plans after a clean start: it collects and releases that
+    memory itself. A tensor left alive is counted against the budget, and named in describe()."""
+    profiled, full_peak = footprints()
+    cap = int(profiled + 0.5 * (full_peak - profiled))
+    with vram_cap(cap):
+        _, fresh, _, fresh_peak = mid_run(8)
+        plan = fresh.plan
+        del fresh  # (with its model: a cycle, left to wrap())
+        model, stock = make(torch.float32, **MID)
+        stock = torch.optim.AdamW(param_groups(model), lr=3e-3, fused=True)
+        for step in range(2):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                model.loss(tokens_for(step, MID["vocab"], 8, MID["seq"])).backward()
+            stock.step()
+        del model, stock
+        assert torch.cuda.memory_reserved() > torch.cuda.memory_allocated()  # cached, not given back
+        _, used, _, used_peak = mid_run(8)
+        print(f"fresh: {plan.resident} resident, peak {fresh_peak / 1e9:.3f} GB; used: {used.plan.resident} "
+              f"resident, peak {used_peak / 1e9:.3f} GB (cap {cap / 1e9:.3f} GB)")
+        assert used.report()["held_elsewhere_at_wrap"]["vram_bytes"] < 256 << 20
+        assert abs(used.plan.resident - plan.resident) <= max(1, len(used.slots.order) // 10)
+        assert used.plan.expected_peak == pytest.approx(plan.expected_peak, rel=0.05)
+        assert used_peak <= used.vram_budget
+        used.remove_hooks()
+        del used
+    left = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")  # someone else's tensor (uncapped)
+    _, named, _, named_peak = mid_run(8)
+    held = named.report()["held_elsewhere_at_wrap"]["vram_bytes"]
+    print(named.describe())
+    assert left.numel() <= held < left.numel() + (64 << 20)
+    assert "not this model's" in named.describe()
+    named.remove_hooks()
+
+
 def test_accumulation_under_a_budget_is_met_and_exact():
     profiled, full_peak = footprints(acc=4)
     budget = int(profiled + 0.5 * (full_peak - profiled))

@@ -15,6 +15,10 @@ from trainstream.slots import Engine, Slot, Slots
 from trainstream.units import format_size
 
 
+# VRAM other tensors hold at wrap() that describe() mentions (allocator workspaces stay under it)
+ELSEWHERE_FLOOR = 256 << 20
+
+
 class Reporter:
     """describe() and report() of one optimizer, from its rooms' public state. `host_memory()`
     gives the host bytes TrainStream holds by role (OffloadedAdamW.host_memory); `data_parallel`
@@ -55,6 +59,9 @@ class Reporter:
         host = self._host_memory_line()
         if host:
             lines.append(host)
+        elsewhere = self._elsewhere_line()
+        if elsewhere:
+            lines.append(elsewhere)
         clipping = self._clipping_line()
         if clipping:
             lines.append(clipping)
@@ -130,6 +137,23 @@ class Reporter:
         # (speculation's share: on the clipping line)
         return f"host memory: {self._engine.host_budget.describe(sum(holds.values()))}: " + ", ".join(parts)
 
+    def _elsewhere_line(self) -> str:
+        """What the rest of the process held at wrap() that this plan had to leave alone ("" if
+        nothing worth a mention)."""
+        held = self._engine.elsewhere
+        parts = []
+        if held["vram_bytes"] >= ELSEWHERE_FLOOR:
+            parts.append(f"{format_size(held['vram_bytes'])} of VRAM held by tensors that are not this model's "
+                         f"(counted against the VRAM budget)")
+        if held["host_bytes"]:
+            parts.append(f"{format_size(held['host_bytes'])} of host memory held by {held['host_optimizers']} other "
+                         f"TrainStream optimizer(s) still alive (outside the host budget; remove_hooks() and "
+                         f"dropping them gives it back)")
+        if not parts:
+            return ""
+        return ("elsewhere in this process at wrap(): " + "; ".join(parts)
+                + ". A fresh process, or freeing them before wrap(), plans with that room")
+
     # ----------------------------------------------------------------------- report()
     def report(self) -> dict:
         order, pipeline, clipping, tiers = self._slots.order, self._engine.pipeline, self._clipping, self._tiers
@@ -150,6 +174,9 @@ class Reporter:
             "host_budget": {"limit_bytes": self._engine.host_budget.limit, "source": self._engine.host_budget.source,
                             "available_bytes": self._engine.host_budget.available,
                             "margin_bytes": self._engine.host_budget.margin, "held_bytes": self._host_memory()},
+            # what the rest of the process held at wrap(): VRAM of other tensors, host memory of
+            # other live TrainStream optimizers
+            "held_elsewhere_at_wrap": dict(self._engine.elsewhere),
             "isa": pipeline.isa,
             "threads": pipeline.threads,
             "engine_niceness": pipeline.niceness,  # how much nicer than the training loop they run

@@ -42,6 +42,13 @@ log = logging.getLogger("trainstream")
 # id(parameter) -> (the parameter, its optimizer), both weakly: tensors compare by value, not by
 # identity, so they cannot be the keys of a WeakKeyDictionary
 _OWNERS: dict[int, tuple[weakref.ref, weakref.ref]] = {}
+_LIVE: weakref.WeakSet = weakref.WeakSet()  # every OffloadedAdamW not yet collected
+
+
+def held_by_live_optimizers() -> tuple[int, int]:
+    """How many TrainStream optimizers of this process are alive, and the host bytes they hold."""
+    live = list(_LIVE)
+    return len(live), sum(o._host_held() for o in live)
 
 
 def wrapped_by(param: torch.nn.Parameter):
@@ -61,7 +68,9 @@ def resident_at_start(placement: str | float, count: int) -> int:
 def _weakly(method):
     """`method` through a weak reference to its object. A tensor's hooks are held from C++, where
     the garbage collector cannot see them: a bound method there would keep the optimizer, its
-    parameters and every buffer alive after the user drops both model and optimizer."""
+    parameters and every buffer alive after the user drops both model and optimizer. Its parts'
+    callbacks go the same way, so that no cycle waits for the collector: the last reference
+    dropped gives the pinned memory back at once."""
     owner, func = weakref.ref(method.__self__), method.__func__
 
     def call(*args):
@@ -114,20 +123,20 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self.clipping = Clipping(engine, self.slots, self._resident, max_grad_norm=max_grad_norm,
                                  track_grad_norm=tuning.track_grad_norm, speculative=tuning.speculative_clipping,
                                  data_parallel=data_parallel, shards=sharded,
-                                 vram_room=lambda need: self.promotion.vram_room(need), host_held=self._host_held)
+                                 vram_room=_weakly(self._vram_room), host_held=_weakly(self._host_held))
         self.gates = ForwardGates(engine, self.slots, model, whole_forward=sharded is not None,
                                   release_terms=self.clipping.release_terms, holds_terms=self.clipping.holds_terms)
         self.promotion = Promotion(engine, self.slots, self.window, self.clipping, model, pager=activation_pager,
                                    placement=tuning.placement, vram_budget=vram_budget,
                                    accumulate_in_vram=tuning.accumulate_in_vram, prefetch_depth=tuning.prefetch_depth,
-                                   data_parallel=data_parallel, synchronize=self.synchronize,
-                                   tiers_changed=self._tiers_changed, planned=self._planned,
-                                   host_held=self._host_held)
+                                   data_parallel=data_parallel, synchronize=_weakly(self.synchronize),
+                                   tiers_changed=_weakly(self._tiers_changed), planned=_weakly(self._planned),
+                                   host_held=_weakly(self._host_held))
         self.gradient_hooks = GradientHooks(engine, self.slots, self.window, self.clipping, self.gates,
                                             self.promotion, data_parallel=data_parallel, shards=sharded)
         self._checkpoint = Checkpoint(engine, self.slots, self.param_groups, data_parallel=data_parallel,
                                       shards=sharded)
-        self._reporter = Reporter(engine, self.slots, self.clipping, self.promotion, host_memory=self.host_memory,
+        self._reporter = Reporter(engine, self.slots, self.clipping, self.promotion, host_memory=_weakly(self.host_memory),
                                   data_parallel=data_parallel, shards=sharded, eight_bit=self.eight_bit)
         self._hooks: list = []
         self._register(model, streamed or [], residents)
@@ -136,6 +145,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
             self.upload_update_terms = False
         if data_parallel is not None:
             data_parallel.attach(self.gradient_hooks.on_reduced)
+        _LIVE.add(self)
 
     # ----------------------------------------------------------------------------- set-up
     def _register(self, model: torch.nn.Module, streamed: list[torch.nn.Module], residents: int | None) -> None:
@@ -527,6 +537,9 @@ class OffloadedAdamW(torch.optim.Optimizer):
     def _host_held(self) -> int:
         return sum(self.host_memory().values())
 
+    def _vram_room(self, need: int) -> bool:
+        return self.promotion.vram_room(need)
+
     def describe(self) -> str:
         """Where everything lives and why, in a few readable lines."""
         return self._reporter.describe()
@@ -559,7 +572,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
             "optimizer before wrapping")
 
     def remove_hooks(self) -> None:
-        """Detach from the model (after a final synchronize); the optimizer is unusable after."""
+        """Detach from the model (after a final synchronize); the optimizer is unusable after, and
+        dropping it gives its host memory (and its VRAM state) back at once."""
         self.synchronize()
         for h in self._hooks:
             h.remove()

@@ -148,11 +148,14 @@ class Engine:
     test or a benchmark may put a wrapper in its place (a spy, a timer)."""
 
     def __init__(self, pipeline, device: torch.device, streams: tuple | None,
-                 host_budget: HostBudget | None = None) -> None:
+                 host_budget: HostBudget | None = None, elsewhere: dict | None = None) -> None:
         self.pipeline = pipeline
         self.device = device
         self.streams = streams  # (download, upload) torch streams, kept alive here; None on the CPU
         self.host_budget = host_budget if host_budget is not None else HostBudget(None, "none given")
+        # what the rest of the process held at wrap() (wrap.left_behind)
+        self.elsewhere = elsewhere if elsewhere is not None else {"vram_bytes": 0, "host_bytes": 0,
+                                                                  "host_optimizers": 0}
         self.staging: torch.Tensor | None = None
 
     def current_stream(self) -> int:

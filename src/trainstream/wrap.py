@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import re
@@ -21,7 +22,7 @@ from trainstream.errors import (HostMemoryError, UnsupportedSetupError, VramBudg
 from trainstream.first_plan import model_bytes, param_bytes, resident_costs, start_residents
 from trainstream.host_adamw import DTYPE_NAMES
 from trainstream.host_budget import HostBudget, read_host_budget
-from trainstream.optimizer import OffloadedAdamW, resident_at_start, wrapped_by
+from trainstream.optimizer import OffloadedAdamW, held_by_live_optimizers, resident_at_start, wrapped_by
 from trainstream.placement import last_streamable, reserve_for, share_or_floor, weights_on_device
 from trainstream.slots import Engine
 from trainstream.streaming import shared_outside
@@ -185,6 +186,7 @@ def wrap(
         raise UnsupportedSetupError(f"parameters on {device} are not supported (CUDA or CPU only)")
     host_accumulator = accumulation_steps > 1 and tuning.accumulate_in_vram is not True and ddp is None
     unique = list({id(p): p for p in trainable}.values())
+    elsewhere = left_behind(model, device)  # (before either budget is read)
     host = read_host_budget(host_budget)
     if sharded:
         _check_host_memory([local_shard(p) for p in unique], host_accumulator, host)
@@ -237,7 +239,7 @@ def wrap(
         _place(model, device, streamed)
     data_parallel = DataParallel(ddp, owners) if ddp is not None else None
     wrapped = OffloadedAdamW(
-        optimizer, model, Engine(pipeline, device, streams, host), tuning=tuning, max_grad_norm=max_grad_norm,
+        optimizer, model, Engine(pipeline, device, streams, host, elsewhere), tuning=tuning, max_grad_norm=max_grad_norm,
         accumulation_steps=int(accumulation_steps), vram_budget=budget if auto else None, activation_pager=pager,
         data_parallel=data_parallel, sharded=Sharded(trainable) if sharded else None, streamed=streamed,
         residents=residents,
@@ -248,6 +250,26 @@ def wrap(
         p.grad = None
     log.info("trainstream: wrap() done in %.1f s", time.perf_counter() - started)
     return model, wrapped
+
+
+def left_behind(model: torch.nn.Module, device: torch.device) -> dict:
+    """What earlier work in this process still holds, once it had the chance to give memory
+    back: models and optimizers dropped in reference cycles are collected (a TrainStream
+    optimizer's pinned memory goes with it), and on CUDA the caching allocator's free segments
+    are released (the plan's new ones are then expandable). Returns the VRAM that tensors other
+    than the model's hold on `device` (inside the VRAM budget, as the profile sees it) and the
+    host memory other live TrainStream optimizers hold (outside the host budget), for describe()
+    and report()."""
+    gc.collect()
+    vram = 0
+    if device.type == "cuda" and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+        tensors = [*model.parameters(), *model.buffers()]
+        tensors += [p.grad for p in model.parameters() if p.grad is not None]
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t.device == device}
+        vram = max(0, torch.cuda.memory_allocated(device) - sum(storages.values()))
+    optimizers, host = held_by_live_optimizers()
+    return {"vram_bytes": vram, "host_bytes": host, "host_optimizers": optimizers}
 
 
 def _place(model: torch.nn.Module, device: torch.device, streamed: list[torch.nn.Module]) -> None:
