@@ -61,9 +61,12 @@ QuantTable::QuantTable(const float* qmap) {
   for (std::size_t i = 255; i < sizeof thresholds / sizeof thresholds[0]; ++i) {
     thresholds[i] = std::numeric_limits<float>::infinity();
   }
-  for (int level = 0; level < 8; ++level) {
+  for (int level = 0; level < 5; ++level) {
     const unsigned step = 128u >> level;
-    for (unsigned k = 0; k < 128; ++k) levels[level][k] = k < 128 / step ? thresholds[step - 1 + k * 2 * step] : 0.0f;
+    for (unsigned k = 0; k < 16; ++k) levels[level][k] = k < 128 / step ? thresholds[step - 1 + k * 2 * step] : 0.0f;
+  }
+  for (unsigned j = 0; j < 7; ++j) {
+    for (unsigned k = 0; k < 32; ++k) group[j][k] = thresholds[8 * k + j];
   }
   const auto count = [this](float x) {
     return static_cast<int>(std::upper_bound(thresholds, thresholds + 255, x) - thresholds);

@@ -1,5 +1,5 @@
-// Blockwise 8-bit AdamW with AVX-512 (F/BW/VL), 16 lanes: adamw8bit_avx2.cpp's arithmetic and
-// table-driven quantization, rounding for rounding. Built with -mavx512f -mavx512bw -mavx512vl
+// Blockwise 8-bit AdamW with AVX-512 (F/BW/VL), 16 lanes: adamw8bit_avx2.cpp's arithmetic,
+// rounding for rounding, quantizing with a search of its own held in registers (store_block). Built with -mavx512f -mavx512bw -mavx512vl
 // -ffp-contract=off; only called when CPUID says so.
 #include <immintrin.h>
 
@@ -34,24 +34,13 @@ inline __m512 lookup256(const float* table, __m512i index) {
   return part[0];
 }
 
-// The threshold each lane compares with at one level of the search: t[s - 1 + k * 2s] for its k.
-inline __m512 level_bound(const float* at, int level, __m512i k) {
-  if (level < 5) return _mm512_permutexvar_ps(k, _mm512_load_ps(at));  // up to 16: one register
-  const __m512 low = _mm512_permutex2var_ps(_mm512_load_ps(at), k, _mm512_load_ps(at + 16));
-  if (level == 5) return low;
-  const __mmask16 b5 = _mm512_test_epi32_mask(k, _mm512_set1_epi32(32));
-  const __m512 lower = _mm512_mask_blend_ps(b5, low, _mm512_permutex2var_ps(_mm512_load_ps(at + 32), k, _mm512_load_ps(at + 48)));
-  if (level == 6) return lower;
-  const __m512 upper = _mm512_mask_blend_ps(b5, _mm512_permutex2var_ps(_mm512_load_ps(at + 64), k, _mm512_load_ps(at + 80)),
-                                            _mm512_permutex2var_ps(_mm512_load_ps(at + 96), k, _mm512_load_ps(at + 112)));
-  return _mm512_mask_blend_ps(_mm512_test_epi32_mask(k, _mm512_set1_epi32(64)), lower, upper);
-}
-
-constexpr int kAtOnce = 4;  // vectors searched side by side: each level waits on the one before
+constexpr int kAtOnce = 8;  // vectors searched side by side: each level waits on the one before
 
 // Requantizes one block's new moment values into `q` at block `b` (as store_block does): each
-// code is the count of thresholds at or below its value, found by a binary search whose levels
-// sit in registers (NaN compares false at every level: code 0).
+// code is the count of thresholds at or below its value. Five levels of a binary search, each
+// level's thresholds in one register, find its group of eight codes; the group's seven
+// thresholds are then compared side by side, none waiting on another (NaN compares false
+// everywhere: code 0).
 inline void store_block(const float* values, __m512 amax, Quantized q, std::size_t b, const QuantTable& t) {
   const float scale_value = std::max(_mm512_reduce_max_ps(amax), 1e-12f);
   q.scale[b] = scale_value;
@@ -63,11 +52,21 @@ inline void store_block(const float* values, __m512 amax, Quantized q, std::size
       x[j] = _mm512_div_ps(_mm512_load_ps(values + i + 16 * j), scale);
       code[j] = _mm512_setzero_si512();
     }
-    for (int level = 0; level < 8; ++level) {
+    for (int level = 0; level < 5; ++level) {
+      const __m512 bounds = _mm512_load_ps(t.levels[level]);
       const __m512i step = _mm512_set1_epi32(128 >> level);
       for (int j = 0; j < kAtOnce; ++j) {
-        const __m512 bound = level_bound(t.levels[level], level, _mm512_srli_epi32(code[j], 8 - level));
+        const __m512 bound = _mm512_permutexvar_ps(_mm512_srli_epi32(code[j], 8 - level), bounds);
         code[j] = _mm512_mask_add_epi32(code[j], _mm512_cmp_ps_mask(bound, x[j], _CMP_LE_OQ), code[j], step);
+      }
+    }
+    __m512i group[kAtOnce];
+    for (int j = 0; j < kAtOnce; ++j) group[j] = _mm512_srli_epi32(code[j], 3);
+    for (int s = 0; s < 7; ++s) {
+      const __m512 low = _mm512_load_ps(t.group[s]), high = _mm512_load_ps(t.group[s] + 16);
+      for (int j = 0; j < kAtOnce; ++j) {
+        const __mmask16 le = _mm512_cmp_ps_mask(_mm512_permutex2var_ps(low, group[j], high), x[j], _CMP_LE_OQ);
+        code[j] = _mm512_mask_add_epi32(code[j], le, code[j], _mm512_set1_epi32(1));
       }
     }
     for (int j = 0; j < kAtOnce; ++j) {

@@ -13,7 +13,8 @@ namespace trainstream::eight_bit {
 using Coeffs = AdamW8bitCoeffs;
 
 // Quantizing x in [-1, 1] (or NaN) to the code quantize_with_qmap() picks, without its search.
-// (AVX2 counts with the table below, AVX-512 by a binary search over `levels`.)
+// (AVX2 counts with the table below; AVX-512 finds the group of eight codes by a binary search
+// over `levels`, then counts the group's thresholds in `group`.)
 // That code is the number of thresholds t_0 < ... < t_254 at or below x, t_i being the least
 // float from which the search rounds code i up (t_i in (map[i], map[i+1]]; NaN counts none). A
 // table indexed by x's position in float order gives the count at its cell's lowest float; at
@@ -26,9 +27,11 @@ struct QuantTable {
   static std::int32_t order(std::int32_t bits) { return bits ^ ((bits >> 31) & 0x7fffffff); }
 
   alignas(64) float thresholds[264];  // t_0..t_254, then +inf (never <= x)
-  // The same thresholds laid out for a binary search held in vector registers: level l (step
-  // s = 128 >> l) holds t[s - 1 + k * 2s] for k < 128 / s, from levels[l][0].
-  alignas(64) float levels[8][128];
+  // The thresholds laid out for vector registers: the first five levels of a binary search
+  // (level l, step s = 128 >> l: t[s - 1 + k * 2s] for k < 128 / s, from levels[l][0]) find
+  // the group of eight codes, and group[j][k] = t[8k + j] (j < 7) are the thresholds inside group k.
+  alignas(64) float levels[5][16];
+  alignas(64) float group[7][32];
   alignas(64) float map[256];         // the map it was made for
   alignas(64) std::uint8_t start[kCells + 4];  // (+4: vector code gathers 32 bits at a cell)
   int steps = 0;

@@ -60,11 +60,14 @@ inline __m128i to_bf16_stochastic(__m256 x, std::uint32_t k0, std::uint32_t k1, 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 // Sixteen gradient elements as fp32 (lanes outside `k` zero), from fp32 or bf16.
 inline __m512 load_grad16(const void* grad, DType dtype, std::size_t i, __mmask16 k = 0xffff) {
+  const bool whole = k == 0xffff;  // (a masked access is slower on some CPUs: only the tail's are)
   if (dtype == DType::bfloat16) {
-    const __m256i h = _mm256_maskz_loadu_epi16(k, static_cast<const std::uint16_t*>(grad) + i);
+    const auto* at = static_cast<const std::uint16_t*>(grad) + i;
+    const __m256i h = whole ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at)) : _mm256_maskz_loadu_epi16(k, at);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
   }
-  return _mm512_maskz_loadu_ps(k, static_cast<const float*>(grad) + i);
+  const auto* at = static_cast<const float*>(grad) + i;
+  return whole ? _mm512_loadu_ps(at) : _mm512_maskz_loadu_ps(k, at);
 }
 
 // Round to nearest even, NaN -> 0x7fc0, exactly as float_to_bf16().
