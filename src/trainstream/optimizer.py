@@ -65,7 +65,7 @@ def resident_at_start(placement: str | float, count: int) -> int:
     return count if placement == "gpu" else 0
 
 
-def _weakly(method):
+def weakly(method):
     """`method` through a weak reference to its object. A tensor's hooks are held from C++, where
     the garbage collector cannot see them: a bound method there would keep the optimizer, its
     parameters and every buffer alive after the user drops both model and optimizer. Its parts'
@@ -123,20 +123,20 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self.clipping = Clipping(engine, self.slots, self._resident, max_grad_norm=max_grad_norm,
                                  track_grad_norm=tuning.track_grad_norm, speculative=tuning.speculative_clipping,
                                  data_parallel=data_parallel, shards=sharded,
-                                 vram_room=_weakly(self._vram_room), host_held=_weakly(self._host_held))
+                                 vram_room=weakly(self._vram_room), host_held=weakly(self._host_held))
         self.gates = ForwardGates(engine, self.slots, model, whole_forward=sharded is not None,
                                   release_terms=self.clipping.release_terms, holds_terms=self.clipping.holds_terms)
         self.promotion = Promotion(engine, self.slots, self.window, self.clipping, model, pager=activation_pager,
                                    placement=tuning.placement, vram_budget=vram_budget,
                                    accumulate_in_vram=tuning.accumulate_in_vram, prefetch_depth=tuning.prefetch_depth,
-                                   data_parallel=data_parallel, synchronize=_weakly(self.synchronize),
-                                   tiers_changed=_weakly(self._tiers_changed), planned=_weakly(self._planned),
-                                   host_held=_weakly(self._host_held))
+                                   data_parallel=data_parallel, synchronize=weakly(self.synchronize),
+                                   tiers_changed=weakly(self._tiers_changed), planned=weakly(self._planned),
+                                   host_held=weakly(self._host_held))
         self.gradient_hooks = GradientHooks(engine, self.slots, self.window, self.clipping, self.gates,
                                             self.promotion, data_parallel=data_parallel, shards=sharded)
         self._checkpoint = Checkpoint(engine, self.slots, self.param_groups, data_parallel=data_parallel,
                                       shards=sharded)
-        self._reporter = Reporter(engine, self.slots, self.clipping, self.promotion, host_memory=_weakly(self.host_memory),
+        self._reporter = Reporter(engine, self.slots, self.clipping, self.promotion, host_memory=weakly(self.host_memory),
                                   data_parallel=data_parallel, shards=sharded, eight_bit=self.eight_bit)
         self._hooks: list = []
         self._register(model, streamed or [], residents)
@@ -165,7 +165,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         host_sums = acc > 1 and self._vram_sums is not True and self._dp is None
         owners = self._dp.owners if self._dp is not None else None
         away = {id(p) for module in streamed for p in module.parameters()}  # offloaded, whatever the placement
-        on_grad = _weakly(self.gradient_hooks.on_grad)
+        on_grad = weakly(self.gradient_hooks.on_grad)
         offloaded = sum(p.numel() for i, (p, _) in enumerate(trainable) if i >= resident_count or id(p) in away)
         with progress.stage(f"host memory for {offloaded / 1e9:.2f}B offloaded parameters"):
             shown = progress.bar(offloaded, "host memory for the offloaded state", unit="param")

@@ -22,7 +22,7 @@ from trainstream.errors import (HostMemoryError, UnsupportedSetupError, VramBudg
 from trainstream.first_plan import model_bytes, param_bytes, resident_costs, start_residents
 from trainstream.host_adamw import DTYPE_NAMES
 from trainstream.host_budget import HostBudget, read_host_budget
-from trainstream.optimizer import OffloadedAdamW, held_by_live_optimizers, resident_at_start, wrapped_by
+from trainstream.optimizer import OffloadedAdamW, weakly, held_by_live_optimizers, resident_at_start, wrapped_by
 from trainstream.placement import last_streamable, reserve_for, share_or_floor, weights_on_device
 from trainstream.slots import Engine
 from trainstream.streaming import shared_outside
@@ -245,7 +245,7 @@ def wrap(
         residents=residents,
     )
     if pager is not None:
-        pager.settle = wrapped.synchronize
+        pager.settle = weakly(wrapped.synchronize)  # (no cycle: see optimizer.weakly)
     for p in trainable:
         p.grad = None
     log.info("trainstream: wrap() done in %.1f s", time.perf_counter() - started)
@@ -266,10 +266,20 @@ def left_behind(model: torch.nn.Module, device: torch.device) -> dict:
         torch.cuda.empty_cache()
         tensors = [*model.parameters(), *model.buffers()]
         tensors += [p.grad for p in model.parameters() if p.grad is not None]
-        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t.device == device}
+        storages = dict(filter(None, (_storage(t) for t in tensors if t.device == device)))
         vram = max(0, torch.cuda.memory_allocated(device) - sum(storages.values()))
     optimizers, host = held_by_live_optimizers()
     return {"vram_bytes": vram, "host_bytes": host, "host_optimizers": optimizers}
+
+
+def _storage(tensor: torch.Tensor) -> tuple[int, int] | None:
+    """(address, bytes) of the memory under `tensor`; None where it has none of its own (an FSDP2
+    parameter between its all-gathers: its storage is freed)."""
+    try:
+        storage = tensor.untyped_storage()
+        return storage.data_ptr(), storage.nbytes()
+    except RuntimeError:
+        return None
 
 
 def _place(model: torch.nn.Module, device: torch.device, streamed: list[torch.nn.Module]) -> None:
