@@ -22,7 +22,7 @@ from trainstream.errors import (HostMemoryError, UnsupportedSetupError, VramBudg
 from trainstream.first_plan import model_bytes, param_bytes, resident_costs, start_residents
 from trainstream.host_adamw import DTYPE_NAMES
 from trainstream.host_budget import HostBudget, read_host_budget
-from trainstream.optimizer import OffloadedAdamW, weakly, held_by_live_optimizers, resident_at_start, wrapped_by
+from trainstream.optimizer import OffloadedAdamW, held_by_live_optimizers, resident_at_start, weakly, wrapped_by
 from trainstream.placement import last_streamable, reserve_for, share_or_floor, weights_on_device
 from trainstream.slots import Engine
 from trainstream.streaming import shared_outside
@@ -239,7 +239,8 @@ def wrap(
         _place(model, device, streamed)
     data_parallel = DataParallel(ddp, owners) if ddp is not None else None
     wrapped = OffloadedAdamW(
-        optimizer, model, Engine(pipeline, device, streams, host, elsewhere), tuning=tuning, max_grad_norm=max_grad_norm,
+        optimizer, model, Engine(pipeline, device, streams, host, elsewhere), tuning=tuning,
+        max_grad_norm=max_grad_norm,
         accumulation_steps=int(accumulation_steps), vram_budget=budget if auto else None, activation_pager=pager,
         data_parallel=data_parallel, sharded=Sharded(trainable) if sharded else None, streamed=streamed,
         residents=residents,

@@ -1,6 +1,6 @@
 // Blockwise 8-bit AdamW with AVX-512 (F/BW/VL), 16 lanes: adamw8bit_avx2.cpp's arithmetic,
-// rounding for rounding, quantizing with a search of its own held in registers (store_block). Built with -mavx512f -mavx512bw -mavx512vl
-// -ffp-contract=off; only called when CPUID says so.
+// rounding for rounding, quantizing with a search of its own held in registers (store_block).
+// Built with -mavx512f -mavx512bw -mavx512vl -ffp-contract=off; only called when CPUID says so.
 #include <immintrin.h>
 
 #include <algorithm>

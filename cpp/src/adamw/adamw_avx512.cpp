@@ -27,8 +27,9 @@ void adamw_avx512(const AdamWBuffers& b, const AdamWCoeffs& c, std::size_t begin
   // Only the tail's loads and stores are masked: a masked store is several times slower than a
   // plain one on some CPUs (AMD Zen 4).
   const bool streamed = b.exp_avg_out != nullptr;
-  const auto store = [streamed](float* at, __mmask16 k, bool whole, __m512 x) {
-    if (streamed && whole && reinterpret_cast<std::uintptr_t>(at) % 64 == 0) {
+  const auto store = [](float* at, __mmask16 k, bool stream, __m512 x) {
+    const bool whole = k == 0xffff;
+    if (stream && whole && reinterpret_cast<std::uintptr_t>(at) % 64 == 0) {
       _mm512_stream_ps(at, x);
     } else if (whole) {
       _mm512_storeu_ps(at, x);
@@ -50,22 +51,16 @@ void adamw_avx512(const AdamWBuffers& b, const AdamWCoeffs& c, std::size_t begin
                                      _mm512_mul_ps(load(k, b.exp_avg_sq + i), beta2));
     const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), bc2), eps);
     const __m512 term = _mm512_div_ps(_mm512_mul_ps(nss, m), denom);
-    store(m_out + i, k, left >= 16, m);
-    store(v_out + i, k, left >= 16, v);
+    store(m_out + i, k, streamed, m);
+    store(v_out + i, k, streamed, v);
     if (b.term_only) {
       // Streamed past the caches: nothing here reads it again, and a store that missed the
       // cache would first read the line (the 4 bytes this mode saves).
-      if (left >= 16 && reinterpret_cast<std::uintptr_t>(b.param + i) % 64 == 0) {
-        _mm512_stream_ps(b.param + i, term);
-      } else if (left >= 16) {
-        _mm512_storeu_ps(b.param + i, term);
-      } else {
-        _mm512_mask_storeu_ps(b.param + i, k, term);
-      }
+      store(b.param + i, k, true, term);
       continue;
     }
     const __m512 pn = _mm512_add_ps(_mm512_mul_ps(load(k, b.param + i), decay), term);
-    store(p_out + i, k, left >= 16, pn);
+    store(p_out + i, k, streamed, pn);
     if (b.param_bf16) {
       // Out of place the rounding is streamed too: a speculation's buffer is not read here, and a
       // redo's (the landing buffer) only element by element just before.
