@@ -1,5 +1,5 @@
 """What the benchmark scripts share: the model and its flags, how a run is described and written,
-the medians of repeated runs, and the two figures the scripts and report.py draw.
+the medians of repeated runs, and the figures the scripts and report.py draw.
 
 Scripts run from this folder import it as `common` (a script's folder is first on its path). It
 imports no script and runs no training, so report.py uses it too; matplotlib and DeepSpeed, which
@@ -212,6 +212,24 @@ def plot_runs(runs: list[dict], path: str) -> None:
     a.set_xlabel("seconds per step")
     b.barh(names, [r["peak_vram_GB"] for r in done], color="#ed7d31")
     b.set_xlabel("peak VRAM (GB)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_curves(runs: list[dict], path: str) -> None:
+    """convergence.py's training-loss curves, a 50-step mean each, labelled with the held-out loss."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for r in runs:
+        loss = torch.tensor(r["loss"])
+        smooth = torch.nn.functional.avg_pool1d(loss[None, None], 50, 1).flatten()
+        ax.plot(range(50, 50 + smooth.numel()), smooth, label=f"{r['mode']} ({r['final_held_out_loss']:.3f} held out)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss (nats a byte, 50-step mean)")
+    ax.set_title(f"{runs[0]['params'] / 1e6:.0f}M Llama on the Python standard library, clip 1.0")
+    ax.set_ylim(top=min(3.0, ax.get_ylim()[1]))
+    ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -125,27 +125,6 @@ def run(args) -> dict:
     return out
 
 
-def plot(path: str, files: list[str]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    runs = [json.loads(Path(f).read_text()) for f in files]
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    for r in runs:
-        loss = torch.tensor(r["loss"])
-        smooth = torch.nn.functional.avg_pool1d(loss[None, None], 50, 1).flatten()  # 50-step mean
-        ax.plot(range(50, 50 + smooth.numel()), smooth, label=f"{r['mode']} ({r['final_held_out_loss']:.3f} held out)")
-    ax.set_xlabel("step")
-    ax.set_ylabel("training loss (nats a byte, 50-step mean)")
-    ax.set_title(f"{runs[0]['params'] / 1e6:.0f}M Llama on the Python standard library, clip 1.0")
-    ax.set_ylim(top=min(3.0, ax.get_ylim()[1]))
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mode", choices=MODES)
@@ -166,7 +145,9 @@ def main() -> None:
     ap.add_argument("files", nargs="*")
     args = ap.parse_args()
     if args.plot:
-        plot(args.plot, args.files)
+        from common import plot_curves
+
+        plot_curves([json.loads(Path(f).read_text()) for f in args.files], args.plot)
         return
     if args.mode is None:
         ap.error("--mode is required to train")

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from trainstream import placement as planner
 
-from common import PEER_NAMES, medians, plot_runs, plot_sweep  # (nothing there trains, nor imports a runner)
+from common import PEER_NAMES, medians, plot_curves, plot_runs, plot_sweep  # (nothing there trains, nor imports a runner)
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCUMENTS = ("README.md", "docs/benchmarks.md", "docs/architecture.md")
@@ -48,6 +48,7 @@ LABELS = {
     "deepspeed3": "DeepSpeed ZeRO-3, parameters and optimizer offloaded",
     "trainstream+auto": 'TrainStream, activations="auto"',
     "trainstream+8bit": "TrainStream, torchao's AdamW8bit",
+    "trainstream+8bit+sr": "TrainStream, torchao's AdamW8bit, bf16_stochastic_round=True",
     "gpu-adamw+8bit": "torchao's AdamW8bit on the GPU, nothing offloaded",
     "trainstream+paged": "TrainStream, activations paged or recomputed (`+paged`)",
     "trainstream+ckpt": "TrainStream + gradient checkpointing (Hugging Face, non-reentrant)",
@@ -590,6 +591,36 @@ def recorded_table(name: str):
     return render
 
 
+CONVERGENCE_LABELS = {
+    "stock": "stock: torch AdamW (fused, GPU), clip_grad_norm_",
+    "trainstream": "TrainStream, torch.optim.AdamW",
+    "trainstream-8bit": "TrainStream, torchao AdamW8bit (fp32 master)",
+    "trainstream-8bit-sr": "TrainStream, AdamW8bit, bf16 weights rounded stochastically",
+    "torchao-8bit": "torchao AdamW8bit on the GPU",
+}
+
+
+def convergence(results: Path) -> str:
+    """convergence.py's runs: held-out loss along the way, final losses against the first run's
+    (stock), how often the clip did not bite, and what became of the speculated updates."""
+    record = load(results, "convergence")
+    runs = record["runs"]
+    base = runs[0]["final_held_out_loss"]
+    steps = [s for s, _ in runs[0]["held_out"]][1::2]
+    rows = []
+    for r in runs:
+        held = dict(r["held_out"])
+        spec = r.get("speculation")
+        rows.append([CONVERGENCE_LABELS.get(r["mode"], r["mode"]),
+                     *(f"{held[s]:.4f}" if s in held else "-" for s in steps),
+                     f"{(r['final_held_out_loss'] / base - 1) * 100:+.2f}%", f"{r['final_train_loss']:.4f}",
+                     f"{r['norm_under_clip_share'] * 100:.1f}%",
+                     f"{spec['hits']} / {spec['misses']} / {spec['waited']}" if spec else "-"])
+    columns = ["mode", *(f"held out, step {s}" for s in steps), "vs stock", "training loss",
+               "norm under 1.0", "speculated: committed / redone / waited"]
+    return "\n\n".join([markdown_table(columns, rows), caption([("", record)])])
+
+
 TABLES = {
     "budget_sweep": budget_sweep("budget_sweep"),
     "budget_sweep_acc8": budget_sweep("budget_sweep_acc8"),
@@ -623,12 +654,19 @@ TABLES = {
     "engine_8bit": engine_8bit("engine_8bit"),
     "host_memory_vocab152k_16gb": host_memory("host_memory_vocab152k_16gb"),
     "adamw8bit_43b_12gb": host_memory("adamw8bit_43b_12gb"),
+    "adamw8bit_43b_12gb_sr": host_memory("adamw8bit_43b_12gb_sr"),
+    "adamw8bit_13b_24gb": host_memory("adamw8bit_13b_24gb"),
+    "convergence": convergence,
 }
 
 # figure -> results file: train_step.py runs drawn as step time and peak VRAM bars
 PLOTS = {
     "docs/img/budget_1b.png": "activation_budget_fp32",
     "docs/img/paging_1b.png": "activation_ways_fp32",
+}
+# figure -> convergence.py's runs: their loss curves
+CURVE_PLOTS = {
+    "docs/img/convergence.png": "convergence",
 }
 # figure -> budget_sweep.py files: step time against the VRAM cap, one panel per accumulation
 SWEEP_PLOTS = {
@@ -653,7 +691,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("results", nargs="?", default=str(ROOT / "docs" / "results"), help="the JSON files")
     ap.add_argument("--root", default=str(ROOT), help="the checkout whose documents are updated")
     ap.add_argument("--check", action="store_true", help="write nothing; exit 1 if a document is out of date")
-    ap.add_argument("--plots", action="store_true", help="also redraw " + ", ".join([*PLOTS, *SWEEP_PLOTS]))
+    ap.add_argument("--plots", action="store_true", help="also redraw " + ", ".join([*PLOTS, *CURVE_PLOTS, *SWEEP_PLOTS]))
     args = ap.parse_args(argv)
     results, root = Path(args.results), Path(args.root)
     stale = []
@@ -671,6 +709,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.plots and not args.check:
         for figure, name in PLOTS.items():
             plot_runs(load(results, name)["results"], str(root / figure))
+            print(f"drew {figure}")
+        for figure, name in CURVE_PLOTS.items():
+            plot_curves(load(results, name)["runs"], str(root / figure))
             print(f"drew {figure}")
         for figure, names in SWEEP_PLOTS.items():
             rows = [r for name in names for r in load(results, name)["results"]]

@@ -30,3 +30,18 @@ def test_each_mode_writes_its_curve(tmp_path, mode):
         assert set(run["speculation"]) >= {"hits", "misses"}
     if mode == "trainstream-8bit-sr":
         assert "rounded stochastically" in run["describe"]
+
+
+def test_the_plot_draws_every_run_it_is_given(tmp_path):
+    pytest.importorskip("matplotlib")
+    files = []
+    for mode, shift in (("stock", 0.0), ("trainstream", 0.01)):
+        run = {"mode": mode, "params": 99_000_000, "loss": [3.0 - 0.01 * i + shift for i in range(120)],
+               "final_held_out_loss": 1.8 + shift}
+        files.append(tmp_path / f"{mode}.json")
+        files[-1].write_text(json.dumps(run))
+    png = tmp_path / "curves.png"
+    done = subprocess.run([sys.executable, str(SCRIPT), "--plot", str(png), *map(str, files)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
