@@ -32,7 +32,7 @@ def test_each_mode_writes_its_curve(tmp_path, mode):
         assert "rounded stochastically" in run["describe"]
 
 
-def test_the_plot_draws_every_run_it_is_given(tmp_path):
+def test_the_curves_plot_is_drawn_from_the_runs_files(tmp_path):
     pytest.importorskip("matplotlib")
     files = []
     for mode, shift in (("stock", 0.0), ("trainstream", 0.01)):
