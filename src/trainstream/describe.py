@@ -142,11 +142,11 @@ class Reporter:
         nothing worth a mention)."""
         held = self._engine.elsewhere
         parts = []
-        if held["vram_bytes"] >= ELSEWHERE_FLOOR:
-            parts.append(f"{format_size(held['vram_bytes'])} of VRAM held by tensors that are not this model's "
+        if held.vram_bytes >= ELSEWHERE_FLOOR:
+            parts.append(f"{format_size(held.vram_bytes)} of VRAM held by tensors that are not this model's "
                          f"(counted against the VRAM budget)")
-        if held["host_bytes"]:
-            parts.append(f"{format_size(held['host_bytes'])} of host memory held by {held['host_optimizers']} other "
+        if held.host_bytes:
+            parts.append(f"{format_size(held.host_bytes)} of host memory held by {held.host_optimizers} other "
                          f"TrainStream optimizer(s) still alive (outside the host budget; remove_hooks() and "
                          f"dropping them gives it back)")
         if not parts:
@@ -176,7 +176,7 @@ class Reporter:
                             "margin_bytes": self._engine.host_budget.margin, "held_bytes": self._host_memory()},
             # what the rest of the process held at wrap(): VRAM of other tensors, host memory of
             # other live TrainStream optimizers
-            "held_elsewhere_at_wrap": dict(self._engine.elsewhere),
+            "held_elsewhere_at_wrap": self._engine.elsewhere.as_dict(),
             "isa": pipeline.isa,
             "threads": pipeline.threads,
             "engine_niceness": pipeline.niceness,  # how much nicer than the training loop they run

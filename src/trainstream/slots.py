@@ -9,7 +9,7 @@ and read them through their public attributes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -142,20 +142,30 @@ def update_args(slot: Slot, hyper: dict) -> dict:
     return dict(update=True, device_weight=device, **hyper)
 
 
+@dataclass(frozen=True)
+class HeldElsewhere:
+    """What the rest of the process held when wrap() planned (wrap.left_behind): VRAM of tensors
+    that are not the model's, and host memory of other live TrainStream optimizers."""
+    vram_bytes: int = 0
+    host_bytes: int = 0
+    host_optimizers: int = 0
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
 class Engine:
     """The native offload pipeline, the device it serves, its (download, upload) copy streams and
     the VRAM buffer that fp32 update terms cross through. `pipeline` is read at every use, so a
     test or a benchmark may put a wrapper in its place (a spy, a timer)."""
 
     def __init__(self, pipeline, device: torch.device, streams: tuple | None,
-                 host_budget: HostBudget | None = None, elsewhere: dict | None = None) -> None:
+                 host_budget: HostBudget | None = None, elsewhere: HeldElsewhere = HeldElsewhere()) -> None:
         self.pipeline = pipeline
         self.device = device
         self.streams = streams  # (download, upload) torch streams, kept alive here; None on the CPU
         self.host_budget = host_budget if host_budget is not None else HostBudget(None, "none given")
-        # what the rest of the process held at wrap() (wrap.left_behind)
-        self.elsewhere = elsewhere if elsewhere is not None else {"vram_bytes": 0, "host_bytes": 0,
-                                                                  "host_optimizers": 0}
+        self.elsewhere = elsewhere
         self.staging: torch.Tensor | None = None
 
     def current_stream(self) -> int:

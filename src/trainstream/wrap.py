@@ -24,7 +24,7 @@ from trainstream.host_adamw import DTYPE_NAMES
 from trainstream.host_budget import HostBudget, read_host_budget
 from trainstream.optimizer import OffloadedAdamW, held_by_live_optimizers, resident_at_start, weakly, wrapped_by
 from trainstream.placement import last_streamable, reserve_for, share_or_floor, weights_on_device
-from trainstream.slots import Engine
+from trainstream.slots import Engine, HeldElsewhere
 from trainstream.streaming import shared_outside
 from trainstream.tuning import Tuning
 from trainstream.units import parse_bytes
@@ -253,7 +253,7 @@ def wrap(
     return model, wrapped
 
 
-def left_behind(model: torch.nn.Module, device: torch.device) -> dict:
+def left_behind(model: torch.nn.Module, device: torch.device) -> HeldElsewhere:
     """What earlier work in this process still holds, once it had the chance to give memory
     back: models and optimizers dropped in reference cycles are collected (a TrainStream
     optimizer's pinned memory goes with it), and on CUDA the caching allocator's free segments
@@ -270,7 +270,7 @@ def left_behind(model: torch.nn.Module, device: torch.device) -> dict:
         storages = dict(filter(None, (_storage(t) for t in tensors if t.device == device)))
         vram = max(0, torch.cuda.memory_allocated(device) - sum(storages.values()))
     optimizers, host = held_by_live_optimizers()
-    return {"vram_bytes": vram, "host_bytes": host, "host_optimizers": optimizers}
+    return HeldElsewhere(vram_bytes=vram, host_bytes=host, host_optimizers=optimizers)
 
 
 def _storage(tensor: torch.Tensor) -> tuple[int, int] | None:
