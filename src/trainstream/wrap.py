@@ -239,8 +239,7 @@ def wrap(
         _place(model, device, streamed)
     data_parallel = DataParallel(ddp, owners) if ddp is not None else None
     wrapped = OffloadedAdamW(
-        optimizer, model, Engine(pipeline, device, streams, host, elsewhere), tuning=tuning,
-        max_grad_norm=max_grad_norm,
+        optimizer, model, Engine(pipeline, device, streams, host, elsewhere), tuning=tuning, max_grad_norm=max_grad_norm,
         accumulation_steps=int(accumulation_steps), vram_budget=budget if auto else None, activation_pager=pager,
         data_parallel=data_parallel, sharded=Sharded(trainable) if sharded else None, streamed=streamed,
         residents=residents,
