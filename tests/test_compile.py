@@ -33,11 +33,11 @@ def lm_loss(model, tokens):
     return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), tokens[:, 1:].reshape(-1))
 
 
-def train(order: str, device: str, backend: str | None = None, size: dict | None = None,
-          placement="offload", **options):
+def train(order: str, device: str, backend=None, size: dict | None = None,
+          placement="offload", setup=None, **options):
     """order: 'eager', 'before' (compile, then wrap) or 'after' (wrap, then compile); torch.compile
     wraps the model, or with 'in place' in the order, nn.Module.compile() compiles the model itself
-    ('model in place ...') or each block ('blocks in place ...')."""
+    ('model in place ...') or each block ('blocks in place ...'). `setup(opt)` runs after wrap()."""
     torch.manual_seed(0)
     torch._dynamo.reset()
     size = dict(size or {})
@@ -60,6 +60,8 @@ def train(order: str, device: str, backend: str | None = None, size: dict | None
         model = compile_it(model)
     model, opt = trainstream.wrap(model, opt, max_grad_norm=1.0, tuning=trainstream.Tuning(placement=placement),
                                   **options)
+    if setup is not None:
+        setup(opt)
     if order.endswith("after"):
         model = compile_it(model)
     g = torch.Generator(device=device).manual_seed(1)
@@ -96,6 +98,62 @@ def test_compiled_model_trains_as_the_eager_one_on_cpu(order, placement):
     else:
         assert gated == []
     assert len(_gated_modules(eager[3])) > len(eager[3].blocks)
+
+
+def recompute_compiled(order: str, paged: int, device: str, backend: str) -> None:
+    """A block the plan recomputes is torch's checkpointing traced into the compiled code (before,
+    each ran eagerly: a graph break at the pager's check for backward). With nothing paged the
+    blocks carry no hook of ours, so a compiled model is one graph, every recomputed block in it."""
+    recomputed = (0, 1)
+
+    def plan(opt):  # blocks 0 and 1 recomputed; with `paged`, block 0's input paged
+        opt.activation_pager.apply(paged, recomputed, "test", hooks=bool(paged))
+
+    graphs = []
+    compiler = torch._dynamo.lookup_backend(backend)
+
+    def recording(gm, example_inputs):
+        graphs.append(gm)
+        return compiler(gm, example_inputs)
+
+    # a block's input of 1 MiB (fp32) or more: large enough to page
+    size = dict(dim=128, seq=64, batch=32) if device == "cpu" else dict(vocab=1000, dim=512, heads=8, seq=256, batch=8)
+    eager = train("eager", device, size=size, activations=1.0, setup=plan)
+    torch._dynamo.utils.counters.clear()
+    compiled = train(order, device, backend=recording, size=size, activations=1.0, setup=plan)
+    if device == "cpu":  # aot_eager runs decomposed ops: the same arithmetic up to summation order
+        assert compiled[0] == pytest.approx(eager[0], rel=1e-5)
+        assert max((a - b).abs().max().item() for a, b in zip(eager[1], compiled[1])) < 1e-4
+    else:  # inductor fuses differently from eager under bf16 autocast
+        assert compiled[0] == pytest.approx(eager[0], rel=2e-2)
+        assert max((a - b).abs().max().item() for a, b in zip(eager[1], compiled[1])) < 5e-2
+    regions = [sum(n.target is torch.ops.higher_order.tag_activation_checkpoint for n in g.graph.nodes)
+               for g in graphs]
+    breaks = " ".join(torch._dynamo.utils.counters["graph_break"])
+    assert "non-Tensor" not in breaks  # (the pager's in_backward() check, traced)
+    if paged or order.startswith("blocks"):  # a graph for each block: a recomputed one holds its region
+        assert max(regions) == 1
+    else:
+        assert max(regions) == len(recomputed) and "loop" not in breaks
+    pager = compiled[2].activation_pager
+    assert pager.compiled and bool(pager._block_handles) == bool(paged)
+    report = compiled[2].report()["activations"]
+    assert report["recomputed_blocks"] == len(recomputed)
+    assert (report["paged_bytes_per_step"] > 0) == bool(paged)
+    assert ("inside the compiled graph" in pager.describe()) == (not paged)
+
+
+@pytest.mark.parametrize("order", ["before", "after", "blocks in place, before"])
+@pytest.mark.parametrize("paged", [1, 0], ids=["inputs-paged", "nothing-paged"])
+def test_recomputed_blocks_are_recomputed_inside_the_compiled_graph_on_cpu(order, paged):
+    recompute_compiled(order, paged, "cpu", "aot_eager")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("order", ["before", "after"])
+@pytest.mark.parametrize("paged", [1, 0], ids=["inputs-paged", "nothing-paged"])
+def test_recomputed_blocks_are_recomputed_inside_the_compiled_graph_on_gpu(order, paged):
+    recompute_compiled(order, paged, "cuda", "inductor")
 
 
 def _root(model):

@@ -249,8 +249,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
                 "weight streaming runs in eager mode: torch.compile would trace the streamed weights' "
                 "device tensors, whose memory comes and goes between blocks. Train this model uncompiled, "
                 "or give it a VRAM budget its weights fit (Tuning(streamed_blocks=0) stops streaming)")
-        if self.promotion.pager is not None and compiled:
-            self.promotion.pager.light_census = False  # light recompute is offered in eager mode only
+        if self.promotion.pager is not None:
+            self.promotion.pager.set_compiled(bool(compiled))
 
     # --------------------------------------------------------------------------- forward
     def _before_forward(self, args: tuple, kwargs: dict) -> None:

@@ -184,31 +184,61 @@ class ActivationPager:
         # are compute, not waits for a host update that the next steps may overlap differently
         self.settle = None
         self._forwards = 0
+        # the model runs under torch.compile (the optimizer tells, at a window's first forward):
+        # a plan without saved-tensor hooks then leaves the blocks unhooked (see apply())
+        self.compiled = False
         self._handles = []
+        self._block_handles = []
         self._model = model
-        self._register(model)
+        self._register()
 
     # ----------------------------------------------------------------------- hooks
-    def _register(self, model) -> None:
+    def _register(self) -> None:
+        """Hooks what is not hooked: the model, and the blocks unless a compiled model's plan has
+        no use for them."""
         # The hooks run eagerly under torch.compile (a graph break at each): they read CUDA streams,
         # call the native pager and enter the saved-tensor hooks that the compiled graph then meets.
         eager = torch.compiler.disable
-        self._handles.append(model.register_forward_pre_hook(eager(self._model_pre), with_kwargs=True))
-        self._handles.append(model.register_forward_hook(eager(self._model_post), always_call=True))
-        for i, block in enumerate(self.blocks):
-            self._handles.append(block.register_forward_pre_hook(eager(self._block_pre(i)), with_kwargs=True))
-            self._handles.append(block.register_forward_hook(eager(self._block_post), always_call=True))
+        if not self._handles:
+            self._handles = [self._model.register_forward_pre_hook(eager(self._model_pre), with_kwargs=True),
+                             self._model.register_forward_hook(eager(self._model_post), always_call=True)]
+        if not self._block_handles and not self._blocks_unhooked():
+            for i, block in enumerate(self.blocks):
+                self._block_handles.append(block.register_forward_pre_hook(eager(self._block_pre(i)),
+                                                                           with_kwargs=True))
+                self._block_handles.append(block.register_forward_hook(eager(self._block_post), always_call=True))
+
+    def _blocks_unhooked(self) -> bool:
+        """A compiled model whose plan pages nothing and measures nothing: a hook at each block
+        would only cut the compiled graph there (and, in a loop over the blocks, leave the loop to
+        eager mode), and torch.compile's own recompute needs none."""
+        return self.compiled and not self.saved_tensor_hooks and not self.profiling
+
+    def _unhook(self, handles: list) -> None:
+        for h in handles:
+            h.remove()
+        handles.clear()
 
     def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
+        self._unhook(self._handles)
+        self._unhook(self._block_handles)
         self._restore_forwards()
 
     def reattach(self) -> None:
         """Hooks the model again after remove() (a later plan pages or recomputes after all)."""
-        if not self._handles:
-            self._register(self._model)
+        self._register()
+
+    def set_compiled(self, compiled: bool) -> None:
+        """Whether the model runs compiled now: light recompute is offered in eager mode only, and
+        the blocks' hooks follow (a model that runs eagerly again gets them back)."""
+        self.compiled = compiled
+        if compiled:
+            self.light_census = False
+        if self._handles:  # (attached)
+            if self._blocks_unhooked():
+                self._unhook(self._block_handles)
+            else:
+                self._register()
 
     def _compute_stream(self) -> int:
         return torch.cuda.current_stream(self.device).cuda_stream if self._cuda else 0
@@ -353,6 +383,8 @@ class ActivationPager:
         the cheap ops."""
         options = {"context_fn": light_recompute.context} if light else {}
         def run(*args, **kwargs):
+            if torch.compiler.is_compiling():  # traced: the compiled backward recomputes the region
+                return self._compiled_checkpoint(index, forward, args, kwargs)
             if self._hooks_ctx is None or in_backward():
                 return forward(*args, **kwargs)
             if _updates_a_cache(kwargs):
@@ -366,6 +398,19 @@ class ActivationPager:
                 return forward(*inner_args, **inner_kwargs)
             return checkpoint(body, *args, use_reentrant=False, **options, **kwargs)
         return run
+
+    def _compiled_checkpoint(self, index: int, forward, args: tuple, kwargs: dict):
+        """A recomputed block traced by torch.compile: torch's checkpointing with nothing of ours
+        inside, so that the region is one of the compiled graph's (its recompute in the compiled
+        backward; the paged blocks' prefetch starts from the unpack hook as their tensors come
+        back). What it reads here becomes a guard: grad mode and the call's keywords, never a
+        value that changes each step."""
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        if _updates_a_cache(kwargs):
+            self._warn_cache(index)
+            return forward(*args, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
     def _warn_cache(self, index: int) -> None:
         if not self._warned_cache:
@@ -388,6 +433,8 @@ class ActivationPager:
         nothing is paged and no saved tensor passes through a hook of ours: the recomputed blocks
         are torch's checkpointing alone."""
         self.saved_tensor_hooks = hooks
+        if self._blocks_unhooked():
+            self._unhook(self._block_handles)
         self.apply_plan(Plan(paged_blocks=paged, pageable_blocks=len(self.blocks), reason=reason,
                               recomputed=tuple(recomputed), recompute_seconds=recompute_seconds, light=tuple(light)))
         self._fresh_plan = True

@@ -71,9 +71,10 @@ def describe(pager) -> str:
     light = f", {r['light_blocks']} recomputed lightly (matmul and attention outputs kept)" if r["light_blocks"] else ""
     recomputed = (f", {r['recomputed_blocks']} recomputed" if r["recomputed_blocks"] else "") + light
     if not pager.saved_tensor_hooks:
-        return (f"activations over {r['blocks']}: {r['recomputed_blocks']} blocks recomputed in backward (torch's "
-                f"checkpointing, autocast copies included){light}, the rest kept; no saved-tensor hooks "
-                f"({r['decision']})")
+        how = ("torch's checkpointing inside the compiled graph" if pager.compiled
+               else "torch's checkpointing, autocast copies included")
+        return (f"activations over {r['blocks']}: {r['recomputed_blocks']} blocks recomputed in backward "
+                f"({how}){light}, the rest kept; no saved-tensor hooks ({r['decision']})")
     lines = [f"activation paging over {r['blocks']}: {r['paged_blocks']} paged{recomputed} ({r['decision']})",
              (f"  per step: {r['paged_bytes_per_step'] / GB:.2f} GB paged, "
               f"{r['recast_bytes_per_step'] / GB:.2f} GB of weight casts recomputed, "
