@@ -1,6 +1,6 @@
 """The Hugging Face Trainer as users run it, stock against TrainStreamTrainer, side by side.
 
-    python benchmarks/hf_trainer.py --accs 1,8 --compile off,on --json hf.json
+    python benchmarks/hf_trainer.py --accs 1,8 --compile off,on --logging-steps 1,500 --json hf.json
 
 TrainingArguments keep their defaults where users keep them (max_grad_norm=1.0, the AdamW
 settings, the linear schedule) with bf16=True; the model is train_step.py's (the 0.95B Llama at
@@ -57,7 +57,7 @@ def recording(trainer_cls):
     return Recording
 
 
-def run(kind: str, acc: int, compiled: bool, args) -> dict:
+def run(kind: str, acc: int, compiled: bool, logging_steps: int, args) -> dict:
     from trainstream.integrations.huggingface import TrainStreamTrainer
 
     torch.manual_seed(0)
@@ -68,6 +68,7 @@ def run(kind: str, acc: int, compiled: bool, args) -> dict:
         training_args = transformers.TrainingArguments(
             output_dir=out, max_steps=steps, per_device_train_batch_size=args.batch,
             gradient_accumulation_steps=acc, bf16=True, torch_compile=compiled, save_strategy="no",
+            logging_steps=logging_steps,
             report_to=[], seed=0, data_seed=0, dataloader_num_workers=0, disable_tqdm=True)
         trainer_cls = recording(TrainStreamTrainer if kind == "trainstream" else transformers.Trainer)
         trainer = trainer_cls(model=model, args=training_args, callbacks=[clock],
@@ -75,7 +76,7 @@ def run(kind: str, acc: int, compiled: bool, args) -> dict:
         trainer.losses = []
         trainer.train()
         losses = torch.stack(trainer.losses).float().view(steps, acc).mean(1).tolist()
-        result = {"trainer": kind, "acc": acc, "compile": compiled,
+        result = {"trainer": kind, "acc": acc, "compile": compiled, "logging_steps": logging_steps,
                   "step_s": (clock.end - clock.start) / args.steps,
                   "peak_vram_GB": torch.cuda.max_memory_allocated() / 1e9, "losses": losses}
         optimizer = clock.optimizer
@@ -96,6 +97,8 @@ def main(argv=None) -> int:
     ap.add_argument("--accs", default="1,8")
     ap.add_argument("--compile", default="off,on", help="comma list of off, on (TrainingArguments.torch_compile)")
     ap.add_argument("--trainers", default="stock,trainstream")
+    ap.add_argument("--logging-steps", default="500",
+                    help="comma list of TrainingArguments.logging_steps (500 is its default; 1 logs every step)")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--json", default=None)
@@ -103,17 +106,19 @@ def main(argv=None) -> int:
     results = []
     for acc in (int(a) for a in args.accs.split(",")):
         for compiled in (c == "on" for c in args.compile.split(",")):
-            for kind in args.trainers.split(","):
-                results.append(run(kind, acc, compiled, args))
-                print(json.dumps({k: v for k, v in results[-1].items() if k != "losses"}), flush=True)
+            for logging_steps in (int(n) for n in args.logging_steps.split(",")):
+                for kind in args.trainers.split(","):
+                    results.append(run(kind, acc, compiled, logging_steps, args))
+                    print(json.dumps({k: v for k, v in results[-1].items() if k != "losses"}), flush=True)
     print(f"\n{torch.cuda.get_device_name()}  hidden={args.hidden} layers={args.layers} batch={args.batch}x{args.seq}"
           f" weights={args.weights} bf16=True max_grad_norm=1.0")
-    print(f"{'acc':>4}{'compile':>9}{'trainer':>13}{'step s':>9}{'vs stock':>10}{'peak GB':>9}{'max loss diff':>15}")
+    print(f"{'acc':>4}{'compile':>9}{'logging':>9}{'trainer':>13}{'step s':>9}{'vs stock':>10}{'peak GB':>9}{'max loss diff':>15}")
     for r in results:
-        stock = next(s for s in results if s["trainer"] == "stock" and s["acc"] == r["acc"] and s["compile"] == r["compile"])
+        stock = next(s for s in results if s["trainer"] == "stock"
+                     and all(s[k] == r[k] for k in ("acc", "compile", "logging_steps")))
         diff = max(abs(a - b) / abs(b) for a, b in zip(r["losses"], stock["losses"]))
         r["max_rel_loss_diff_vs_stock"] = diff
-        print(f"{r['acc']:>4}{'on' if r['compile'] else 'off':>9}{r['trainer']:>13}{r['step_s']:>9.3f}"
+        print(f"{r['acc']:>4}{'on' if r['compile'] else 'off':>9}{r['logging_steps']:>9}{r['trainer']:>13}{r['step_s']:>9.3f}"
               f"{r['step_s'] / stock['step_s']:>9.2f}x{r['peak_vram_GB']:>9.2f}{diff:>15.2e}")
     if args.json:
         write_json(args.json, {"args": vars(args), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
