@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import trainstream
+from trainstream import placement
 from trainstream.errors import UnsupportedSetupError
 from trainstream.fixtures import TinyLM, param_groups
 
@@ -154,6 +155,20 @@ def test_recomputed_blocks_are_recomputed_inside_the_compiled_graph_on_cpu(order
 @pytest.mark.parametrize("paged", [1, 0], ids=["inputs-paged", "nothing-paged"])
 def test_recomputed_blocks_are_recomputed_inside_the_compiled_graph_on_gpu(order, paged):
     recompute_compiled(order, paged, "cuda", "inductor")
+
+
+def test_a_compiled_models_blocks_are_rated_by_their_own_forward_under_a_budget():
+    """Compiled, the model waits for all its weights when its forward starts, so its marks cannot
+    rate each block's recompute by its share of the forward (which made the early blocks' recompute
+    look free and the last one's cost the whole forward): each block's own profiled time does."""
+    size = dict(dim=64, seq=64, layers=4, batch=64)
+    weights = sum(p.numel() * 4 for p in TinyLM(**{k: v for k, v in size.items() if k != "batch"}).parameters())
+    _, _, opt, _ = train("before", "cpu", backend="aot_eager", size=size, placement="auto", vram_budget=4 * weights)
+    profile = opt.profile
+    assert all(b.recompute_s is None and b.forward_s > 0 for b in profile.blocks)
+    for j in range(len(profile.blocks)):
+        plan = placement.Plan(resident=len(profile.params), recomputed=(j,))
+        assert placement.recompute_seconds(profile, plan) == profile.blocks[j].forward_s
 
 
 def _root(model):

@@ -143,6 +143,8 @@ def test_block_spans_run_from_a_blocks_first_parameter_to_the_next_ones():
     where = [-1, 0, 0, 2, 3, 3]
     assert block_spans(need, where, 3, 9.0) == [3.0, None, 3.0]
     assert block_spans(need[:4], where[:4], 3, 9.0) == [3.0, None, 5.0]  # nothing after: the forward's end
+    # a compiled model's weights are all needed at its start: no block's span can be told
+    assert block_spans([0.0, 0.0, 0.0, 0.0, 7.0], [-1, 0, 1, 2, 3], 3, 9.0) == [None, None, None]
 
 
 def test_with_accumulation_sums_stay_in_vram_until_the_budget_needs_them_on_the_host():

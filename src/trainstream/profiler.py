@@ -173,14 +173,18 @@ def block_spans(need: list[float], block_of: list[int], count: int, forward: flo
     """Each of `count` blocks' share of a forward: from when its first parameter is needed to when
     a parameter of a later block (or after the blocks) first is after that, else the forward's end;
     `block_of[i]` is parameter i's block (-1 before the blocks, `count` after). None for a block
-    that owns no trainable parameter."""
+    that owns no trainable parameter, and for every block where the blocks' first needs do not
+    follow one another (a compiled model waits for all its weights at its start: its marks say
+    nothing of when each block ran)."""
+    starts = [min((t for t, k in zip(need, block_of) if k == j), default=None) for j in range(count)]
+    known = [t for t in starts if t is not None]
+    if any(a >= b for a, b in zip(known, known[1:])):
+        return [None] * count
     spans: list[float | None] = []
-    for j in range(count):
-        own = [t for t, k in zip(need, block_of) if k == j]
-        if not own:
+    for j, start in enumerate(starts):
+        if start is None:
             spans.append(None)
             continue
-        start = min(own)
         later = [t for t, k in zip(need, block_of) if k > j and t >= start]
         spans.append(min(later, default=forward) - start)
     return spans
