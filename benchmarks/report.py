@@ -491,19 +491,33 @@ def hf_trainer(name: str):
 
 
 def hf_table(record: dict) -> str:
-    stock = {(r["acc"], r["compile"]): r["step_s"] for r in record["results"] if r["trainer"] == "stock"}
+    def setting(r):  # (runs from before --logging-steps logged every 500 steps, TrainingArguments' default)
+        return r["acc"], r["compile"], r.get("logging_steps", 500)
+
+    stock = {setting(r): r["step_s"] for r in record["results"] if r["trainer"] == "stock"}
     rows = []
     for r in record["results"]:
-        base = stock.get((r["acc"], r["compile"]))
-        rows.append([str(r["acc"]), "on" if r["compile"] else "off",
+        base = stock.get(setting(r))
+        rows.append([str(r["acc"]), "on" if r["compile"] else "off", str(setting(r)[2]),
                      "TrainStreamTrainer" if r["trainer"] == "trainstream" else "transformers.Trainer",
                      s(r["step_s"]), f"{r['step_s'] / base:.2f}x" if base else "-", gb(r.get("peak_vram_GB")),
                      f"{r['max_rel_loss_diff_vs_stock']:.1e}" if r["trainer"] != "stock" else "-"])
     a = record["args"]
     intro = (f"{model_words(a, None)}; TrainingArguments' defaults (`max_grad_norm=1.0`, linear schedule) with "
              f"`bf16=True`; TrainStreamTrainer with no option.")
-    table = markdown_table(["accumulation", "torch_compile", "trainer", "step", "vs stock", "peak VRAM",
+    table = markdown_table(["accumulation", "torch_compile", "logging_steps", "trainer", "step", "vs stock", "peak VRAM",
                             "largest relative loss difference"], rows)
+    return "\n\n".join([intro, table, caption([("", record)])])
+
+
+def deepspeed3_offload(results: Path) -> str:
+    """DeepSpeed ZeRO-3 with parameters and optimizer offloaded, on the large shapes: its step or
+    how it failed, and the machine's memory in use at its peak."""
+    record = load(results, "deepspeed3_offload")
+    rows = [[r["shape"], f"{r['cap_GB']:g} GB", s(r["step_s"]) if r.get("step_s") else r["error"],
+             gb(r.get("peak_vram_GB")), f"{r['machine_peak_MiB'] * 2**20 / 1e9:.1f} GB"] for r in record["results"]]
+    intro = "DeepSpeed ZeRO-3, parameters and optimizer offloaded (pinned), batch 1x1024, clip 1.0, the model's own loss."
+    table = markdown_table(["model", "VRAM cap", "step", "peak VRAM", "machine's memory in use, peak"], rows)
     return "\n\n".join([intro, table, caption([("", record)])])
 
 
@@ -644,7 +658,10 @@ TABLES = {
     "copy_under_load": copy_under_load,
     "hf_trainer": hf_trainer("hf_trainer"),
     "hf_trainer_compiled_gate": hf_trainer("hf_trainer_compiled_gate"),
+    "hf_trainer_logging1": hf_trainer("hf_trainer_logging1"),
     "compile_acc8": runs("compile_acc8"),
+    "compile_cap16": runs("compile_cap16"),
+    "deepspeed3_offload": deepspeed3_offload,
     "clipping_planned_16gb": runs("clipping_planned_16gb"),
     "clipping_bf16_held": runs("clipping_bf16_held"),
     "clipping_never_one_commit_four_rounds": runs("clipping_never_one_commit_four_rounds"),
