@@ -157,6 +157,26 @@ def test_recomputed_blocks_are_recomputed_inside_the_compiled_graph_on_gpu(order
     recompute_compiled(order, paged, "cuda", "inductor")
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("order", ["before", "after"])
+def test_a_compiled_model_under_a_vram_budget_trains_within_it_as_the_eager_one(order):
+    """The planner's own choice under a budget the activations do not fit: the compiled model
+    trains as the eager one does, within the budget, its recomputed blocks inside its graph."""
+    size = dict(vocab=1000, dim=512, heads=8, seq=256, batch=32)
+    budget = 512 << 20  # (the blocks save about 0.6 GiB under autocast, the state takes 0.13 GiB)
+    eager = train("eager", "cuda", size=size, placement="auto", vram_budget=budget)
+    torch.cuda.reset_peak_memory_stats()
+    torch._dynamo.utils.counters.clear()
+    compiled = train(order, "cuda", size=size, placement="auto", vram_budget=budget)
+    peak = torch.cuda.max_memory_allocated()
+    assert compiled[0] == pytest.approx(eager[0], rel=2e-2)
+    plan = compiled[2].promotion.plan
+    print(f"compiled plan: {len(plan.recomputed)} recomputed, {plan.paged} paged, {plan.resident} resident; "
+          f"peak {peak / 2**30:.2f} GiB of a {budget / 2**30:.2f} GiB budget")
+    assert plan.fits and (plan.recomputed or plan.paged) and peak <= budget
+    assert "non-Tensor" not in " ".join(torch._dynamo.utils.counters["graph_break"])
+
+
 def test_a_compiled_models_blocks_are_rated_by_their_own_forward_under_a_budget():
     """Compiled, the model waits for all its weights when its forward starts, so its marks cannot
     rate each block's recompute by its share of the forward (which made the early blocks' recompute
