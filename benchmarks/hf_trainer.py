@@ -1,6 +1,7 @@
 """The Hugging Face Trainer as users run it, stock against TrainStreamTrainer, side by side.
 
     python benchmarks/hf_trainer.py --accs 1,8 --compile off,on --logging-steps 1,500 --json hf.json
+    python benchmarks/hf_trainer.py --vram-cap-gb 16 --vram-budget 15GB   # where a cap binds
 
 TrainingArguments keep their defaults where users keep them (max_grad_norm=1.0, the AdamW
 settings, the linear schedule) with bf16=True; the model is train_step.py's (the 0.95B Llama at
@@ -71,16 +72,22 @@ def run(kind: str, acc: int, compiled: bool, logging_steps: int, args) -> dict:
             logging_steps=logging_steps,
             report_to=[], seed=0, data_seed=0, dataloader_num_workers=0, disable_tqdm=True)
         trainer_cls = recording(TrainStreamTrainer if kind == "trainstream" else transformers.Trainer)
+        # a VRAM budget as a user gives it: the Trainer's extra keyword (the cap binds stock too)
+        extra = {"trainstream_options": {"vram_budget": args.vram_budget}} if kind == "trainstream" and args.vram_budget else {}
         trainer = trainer_cls(model=model, args=training_args, callbacks=[clock],
-                              train_dataset=RandomTokens(steps * args.batch * acc, args.seq, args.vocab))
+                              train_dataset=RandomTokens(steps * args.batch * acc, args.seq, args.vocab), **extra)
         trainer.losses = []
-        trainer.train()
-        losses = torch.stack(trainer.losses).float().view(steps, acc).mean(1).tolist()
-        result = {"trainer": kind, "acc": acc, "compile": compiled, "logging_steps": logging_steps,
-                  "step_s": (clock.end - clock.start) / args.steps,
-                  "peak_vram_GB": torch.cuda.max_memory_allocated() / 1e9, "losses": losses}
+        result = {"trainer": kind, "acc": acc, "compile": compiled, "logging_steps": logging_steps}
+        try:
+            trainer.train()
+        except torch.OutOfMemoryError:  # (under --vram-cap-gb: a row that says so)
+            result.update(step_s=None, error="out of memory")
+        else:
+            result.update(step_s=(clock.end - clock.start) / args.steps,
+                          peak_vram_GB=torch.cuda.max_memory_allocated() / 1e9,
+                          losses=torch.stack(trainer.losses).float().view(steps, acc).mean(1).tolist())
         optimizer = clock.optimizer
-        if hasattr(optimizer, "report"):
+        if hasattr(optimizer, "report") and "error" not in result:
             report = optimizer.report()
             result["placement"] = {k: report["placement"][k] for k in ("resident_params", "offloaded_params")}
             result["speculation"] = report["speculation"]
@@ -101,8 +108,15 @@ def main(argv=None) -> int:
                     help="comma list of TrainingArguments.logging_steps (500 is its default; 1 logs every step)")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=4)
+    ap.add_argument("--vram-cap-gb", type=float, default=None,
+                    help="cap this process's VRAM (torch.cuda.set_per_process_memory_fraction)")
+    ap.add_argument("--vram-budget", default=None,
+                    help="TrainStreamTrainer's trainstream_options={'vram_budget': ...}, e.g. 15GB")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    if args.vram_cap_gb:
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.vram_cap_gb * 1e9 / total))
     results = []
     for acc in (int(a) for a in args.accs.split(",")):
         for compiled in (c == "on" for c in args.compile.split(",")):
@@ -116,10 +130,13 @@ def main(argv=None) -> int:
     for r in results:
         stock = next(s for s in results if s["trainer"] == "stock"
                      and all(s[k] == r[k] for k in ("acc", "compile", "logging_steps")))
+        head = f"{r['acc']:>4}{'on' if r['compile'] else 'off':>9}{r['logging_steps']:>9}{r['trainer']:>13}"
+        if r["step_s"] is None or stock["step_s"] is None:
+            print(head + f"{'-' if r['step_s'] is None else format(r['step_s'], '.3f'):>9}  {r.get('error', '')}")
+            continue
         diff = max(abs(a - b) / abs(b) for a, b in zip(r["losses"], stock["losses"]))
         r["max_rel_loss_diff_vs_stock"] = diff
-        print(f"{r['acc']:>4}{'on' if r['compile'] else 'off':>9}{r['logging_steps']:>9}{r['trainer']:>13}{r['step_s']:>9.3f}"
-              f"{r['step_s'] / stock['step_s']:>9.2f}x{r['peak_vram_GB']:>9.2f}{diff:>15.2e}")
+        print(head + f"{r['step_s']:>9.3f}{r['step_s'] / stock['step_s']:>9.2f}x{r['peak_vram_GB']:>9.2f}{diff:>15.2e}")
     if args.json:
         write_json(args.json, {"args": vars(args), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                                "transformers": transformers.__version__, "results": results})

@@ -497,11 +497,11 @@ def hf_table(record: dict) -> str:
     stock = {setting(r): r["step_s"] for r in record["results"] if r["trainer"] == "stock"}
     rows = []
     for r in record["results"]:
-        base = stock.get(setting(r))
+        base, step, diff = stock.get(setting(r)), r["step_s"], r.get("max_rel_loss_diff_vs_stock")
         rows.append([str(r["acc"]), "on" if r["compile"] else "off", str(setting(r)[2]),
                      "TrainStreamTrainer" if r["trainer"] == "trainstream" else "transformers.Trainer",
-                     s(r["step_s"]), f"{r['step_s'] / base:.2f}x" if base else "-", gb(r.get("peak_vram_GB")),
-                     f"{r['max_rel_loss_diff_vs_stock']:.1e}" if r["trainer"] != "stock" else "-"])
+                     s(step) if step else r.get("error", "-"), f"{step / base:.2f}x" if step and base else "-",
+                     gb(r.get("peak_vram_GB")), f"{diff:.1e}" if diff is not None and r["trainer"] != "stock" else "-"])
     a = record["args"]
     intro = (f"{model_words(a, None)}; TrainingArguments' defaults (`max_grad_norm=1.0`, linear schedule) with "
              f"`bf16=True`; TrainStreamTrainer with no option.")
