@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import trainstream
-from trainstream import placement
+from trainstream import placement as planner
 from trainstream.errors import UnsupportedSetupError
 from trainstream.fixtures import TinyLM, param_groups
 
@@ -187,8 +187,8 @@ def test_a_compiled_models_blocks_are_rated_by_their_own_forward_under_a_budget(
     profile = opt.profile
     assert all(b.recompute_s is None and b.forward_s > 0 for b in profile.blocks)
     for j in range(len(profile.blocks)):
-        plan = placement.Plan(resident=len(profile.params), recomputed=(j,))
-        assert placement.recompute_seconds(profile, plan) == profile.blocks[j].forward_s
+        plan = planner.Plan(resident=len(profile.params), recomputed=(j,))
+        assert planner.recompute_seconds(profile, plan) == profile.blocks[j].forward_s
 
 
 def _root(model):
