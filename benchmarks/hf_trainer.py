@@ -73,7 +73,8 @@ def run(kind: str, acc: int, compiled: bool, logging_steps: int, args) -> dict:
             report_to=[], seed=0, data_seed=0, dataloader_num_workers=0, disable_tqdm=True)
         trainer_cls = recording(TrainStreamTrainer if kind == "trainstream" else transformers.Trainer)
         # a VRAM budget as a user gives it: the Trainer's extra keyword (the cap binds stock too)
-        extra = {"trainstream_options": {"vram_budget": args.vram_budget}} if kind == "trainstream" and args.vram_budget else {}
+        budgeted = kind == "trainstream" and args.vram_budget
+        extra = {"trainstream_options": {"vram_budget": args.vram_budget}} if budgeted else {}
         trainer = trainer_cls(model=model, args=training_args, callbacks=[clock],
                               train_dataset=RandomTokens(steps * args.batch * acc, args.seq, args.vocab), **extra)
         trainer.losses = []
@@ -126,7 +127,8 @@ def main(argv=None) -> int:
                     print(json.dumps({k: v for k, v in results[-1].items() if k != "losses"}), flush=True)
     print(f"\n{torch.cuda.get_device_name()}  hidden={args.hidden} layers={args.layers} batch={args.batch}x{args.seq}"
           f" weights={args.weights} bf16=True max_grad_norm=1.0")
-    print(f"{'acc':>4}{'compile':>9}{'logging':>9}{'trainer':>13}{'step s':>9}{'vs stock':>10}{'peak GB':>9}{'max loss diff':>15}")
+    print(f"{'acc':>4}{'compile':>9}{'logging':>9}{'trainer':>13}{'step s':>9}{'vs stock':>10}{'peak GB':>9}"
+          f"{'max loss diff':>15}")
     for r in results:
         stock = next(s for s in results if s["trainer"] == "stock"
                      and all(s[k] == r[k] for k in ("acc", "compile", "logging_steps")))

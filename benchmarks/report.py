@@ -505,8 +505,8 @@ def hf_table(record: dict) -> str:
     a = record["args"]
     intro = (f"{model_words(a, None)}; TrainingArguments' defaults (`max_grad_norm=1.0`, linear schedule) with "
              f"`bf16=True`; TrainStreamTrainer with no option.")
-    table = markdown_table(["accumulation", "torch_compile", "logging_steps", "trainer", "step", "vs stock", "peak VRAM",
-                            "largest relative loss difference"], rows)
+    table = markdown_table(["accumulation", "torch_compile", "logging_steps", "trainer", "step", "vs stock",
+                            "peak VRAM", "largest relative loss difference"], rows)
     return "\n\n".join([intro, table, caption([("", record)])])
 
 
@@ -516,7 +516,8 @@ def deepspeed3_offload(results: Path) -> str:
     record = load(results, "deepspeed3_offload")
     rows = [[r["shape"], f"{r['cap_GB']:g} GB", s(r["step_s"]) if r.get("step_s") else r["error"],
              gb(r.get("peak_vram_GB")), f"{r['machine_peak_MiB'] * 2**20 / 1e9:.1f} GB"] for r in record["results"]]
-    intro = "DeepSpeed ZeRO-3, parameters and optimizer offloaded (pinned), batch 1x1024, clip 1.0, the model's own loss."
+    intro = ("DeepSpeed ZeRO-3, parameters and optimizer offloaded (pinned), batch 1x1024, clip 1.0, the model's "
+             "own loss.")
     table = markdown_table(["model", "VRAM cap", "step", "peak VRAM", "machine's memory in use, peak"], rows)
     return "\n\n".join([intro, table, caption([("", record)])])
 
