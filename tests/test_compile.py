@@ -144,6 +144,15 @@ def recompute_compiled(order: str, paged: int, device: str, backend: str) -> Non
     assert ("inside the compiled graph" in pager.describe()) == (not paged)
 
 
+def test_a_compiled_models_blocks_are_hooked_again_by_a_plan_that_pages():
+    _, _, opt, _ = train("before", "cpu", backend="aot_eager", activations=1.0,
+                         setup=lambda opt: opt.activation_pager.apply(0, (0, 1), "test", hooks=False))
+    pager = opt.activation_pager
+    assert pager.compiled and not pager._block_handles
+    pager.apply(1, (0, 1), "test", hooks=True)
+    assert len(pager._block_handles) == 2 * len(pager.blocks)
+
+
 @pytest.mark.parametrize("order", ["before", "after", "blocks in place, before"])
 @pytest.mark.parametrize("paged", [1, 0], ids=["inputs-paged", "nothing-paged"])
 def test_recomputed_blocks_are_recomputed_inside_the_compiled_graph_on_cpu(order, paged):

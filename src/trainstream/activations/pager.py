@@ -234,11 +234,17 @@ class ActivationPager:
         self.compiled = compiled
         if compiled:
             self.light_census = False
-        if self._handles:  # (attached)
-            if self._blocks_unhooked():
-                self._unhook(self._block_handles)
-            else:
-                self._register()
+        self._follow_block_hooks()
+
+    def _follow_block_hooks(self) -> None:
+        """While attached, the blocks are hooked exactly when the model and its plan need it (a
+        compiled model's next plan may page again)."""
+        if not self._handles:
+            return
+        if self._blocks_unhooked():
+            self._unhook(self._block_handles)
+        else:
+            self._register()
 
     def _compute_stream(self) -> int:
         return torch.cuda.current_stream(self.device).cuda_stream if self._cuda else 0
@@ -383,13 +389,21 @@ class ActivationPager:
         the cheap ops."""
         options = {"context_fn": light_recompute.context} if light else {}
         def run(*args, **kwargs):
-            if torch.compiler.is_compiling():  # traced: the compiled backward recomputes the region
-                return self._compiled_checkpoint(index, forward, args, kwargs)
-            if self._hooks_ctx is None or in_backward():
+            # Traced by torch.compile: torch's checkpointing with nothing of ours inside, so that
+            # the region is one of the compiled graph's (recomputed in the compiled backward; the
+            # paged blocks' prefetch starts from the unpack hook as their tensors come back). What
+            # is read on that path becomes a guard: grad mode and the call's keywords, never a
+            # value that changes each step.
+            compiling = torch.compiler.is_compiling()
+            # outside our training forward, or a checkpoint recomputing in backward
+            outside = not torch.is_grad_enabled() if compiling else self._hooks_ctx is None or in_backward()
+            if outside:
                 return forward(*args, **kwargs)
             if _updates_a_cache(kwargs):
                 self._warn_cache(index)
                 return forward(*args, **kwargs)
+            if compiling:
+                return checkpoint(forward, *args, use_reentrant=False, **kwargs)
             generation = self._generation
 
             def body(*inner_args, **inner_kwargs):
@@ -398,19 +412,6 @@ class ActivationPager:
                 return forward(*inner_args, **inner_kwargs)
             return checkpoint(body, *args, use_reentrant=False, **options, **kwargs)
         return run
-
-    def _compiled_checkpoint(self, index: int, forward, args: tuple, kwargs: dict):
-        """A recomputed block traced by torch.compile: torch's checkpointing with nothing of ours
-        inside, so that the region is one of the compiled graph's (its recompute in the compiled
-        backward; the paged blocks' prefetch starts from the unpack hook as their tensors come
-        back). What it reads here becomes a guard: grad mode and the call's keywords, never a
-        value that changes each step."""
-        if not torch.is_grad_enabled():
-            return forward(*args, **kwargs)
-        if _updates_a_cache(kwargs):
-            self._warn_cache(index)
-            return forward(*args, **kwargs)
-        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
     def _warn_cache(self, index: int) -> None:
         if not self._warned_cache:
@@ -433,8 +434,7 @@ class ActivationPager:
         nothing is paged and no saved tensor passes through a hook of ours: the recomputed blocks
         are torch's checkpointing alone."""
         self.saved_tensor_hooks = hooks
-        if self._blocks_unhooked():
-            self._unhook(self._block_handles)
+        self._follow_block_hooks()
         self.apply_plan(Plan(paged_blocks=paged, pageable_blocks=len(self.blocks), reason=reason,
                               recomputed=tuple(recomputed), recompute_seconds=recompute_seconds, light=tuple(light)))
         self._fresh_plan = True
