@@ -36,7 +36,10 @@ def run(mode: str, args, cap_gb: float | None) -> dict:
                    "--acc", str(args.acc), "--steps", str(args.steps), "--warmup", str(args.warmup),
                    "--clip", str(args.clip), "--weights", args.weights, "--hidden", str(args.hidden),
                    "--layers", str(args.layers), "--heads", str(args.heads), "--intermediate", str(args.intermediate),
-                   "--vocab", str(args.vocab), "--batch", str(args.batch), "--seq", str(args.seq), "--json", out]
+                   "--vocab", str(args.vocab), "--batch", str(args.batch), "--seq", str(args.seq), "--json", out,
+                   "--arch", args.arch]
+        if args.kv_heads is not None:
+            command += ["--kv-heads", str(args.kv_heads)]
         if cap_gb is not None:
             command += ["--vram-cap-gb", str(cap_gb)]
         if args.host_model:

@@ -38,6 +38,9 @@ def add_model_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--kv-heads", type=int, default=None, help="grouped-query attention's key/value heads")
+    ap.add_argument("--arch", choices=["llama", "qwen2"], default="llama",
+                    help="transformers' LlamaForCausalLM, or Qwen2ForCausalLM (biased q/k/v projections)")
     ap.add_argument("--intermediate", type=int, default=5632)
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--batch", type=int, default=4)
@@ -74,7 +77,7 @@ def build_model(args, device) -> torch.nn.Module:
     try:
         with torch.device(device), pooled_init() if device == "cpu" else contextlib.nullcontext():
             return llama(vocab=args.vocab, hidden=args.hidden, layers=args.layers, heads=args.heads, seq=args.seq,
-                         intermediate=args.intermediate)
+                         intermediate=args.intermediate, kv_heads=args.kv_heads, arch=args.arch)
     finally:
         torch.set_default_dtype(default)
 

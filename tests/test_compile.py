@@ -137,20 +137,32 @@ def recompute_compiled(order: str, paged: int, device: str, backend: str) -> Non
     else:
         assert max(regions) == len(recomputed) and "loop" not in breaks
     pager = compiled[2].activation_pager
-    assert pager.compiled and bool(pager._block_handles) == bool(paged)
+    assert pager.compiled and pager._blocks_hooked == bool(paged)
     report = compiled[2].report()["activations"]
     assert report["recomputed_blocks"] == len(recomputed)
     assert (report["paged_bytes_per_step"] > 0) == bool(paged)
     assert ("inside the compiled graph" in pager.describe()) == (not paged)
 
 
-def test_a_compiled_models_blocks_are_hooked_again_by_a_plan_that_pages():
-    _, _, opt, _ = train("before", "cpu", backend="aot_eager", activations=1.0,
-                         setup=lambda opt: opt.activation_pager.apply(0, (0, 1), "test", hooks=False))
+def test_a_compiled_models_next_plan_that_pages_pages_in_the_compiled_code():
+    """A plan that pages after one that did not: the compiled code, traced while the blocks'
+    hooks were idle, is traced again (torch.compile does not watch hooks), and the blocks page."""
+    size = dict(dim=128, seq=64)  # (a block's input of 1 MiB at a batch of 32: large enough to page)
+    _, _, opt, model = train("before", "cpu", backend="aot_eager", size=dict(size, batch=32), activations=1.0,
+                             setup=lambda opt: opt.activation_pager.apply(0, (0, 1), "test", hooks=False))
     pager = opt.activation_pager
-    assert pager.compiled and not pager._block_handles
+
+    def step():
+        lm_loss(model, torch.randint(0, 97, (32, size["seq"] + 1))).backward()
+        opt.step()
+        opt.zero_grad()
+        return opt.report()["activations"]["paged_bytes_per_step"]
+
+    assert pager.compiled and not pager._blocks_hooked and step() == 0
     pager.apply(1, (0, 1), "test", hooks=True)
-    assert len(pager._block_handles) == 2 * len(pager.blocks)
+    assert step() > 0 and pager.last.block_bytes[0] > 0
+    pager.apply(0, (0, 1), "test", hooks=False)
+    assert step() == 0 and not pager._blocks_hooked
 
 
 @pytest.mark.parametrize("order", ["before", "after", "blocks in place, before"])

@@ -86,3 +86,40 @@ def test_finetune_example_runs_side_by_side(tmp_path):
     record = json.loads((tmp_path / "runs.json").read_text())  # what benchmarks/report.py reads
     assert record["about"]["command"].startswith("python examples/hf_finetune.py --hidden 64")
     assert record["runs"]["stock"]["seconds_per_step"] > 0 and record["loss_max_rel_diff"] <= 1e-5
+
+
+def test_a_grouped_query_qwen2_trains_as_under_stock_adamw():
+    """The Qwen2 shape the benchmarks build (biased q/k/v, fewer key/value heads than query
+    heads): wrap() finds its blocks and trains it to the same weights as torch.optim.AdamW."""
+    import trainstream
+    from trainstream.fixtures import causal_lm_loss, llama
+
+    def trained(wrapped: bool):
+        torch.manual_seed(0)
+        model = llama(vocab=101, hidden=64, layers=2, heads=4, kv_heads=2, seq=16, intermediate=96, arch="qwen2")
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        if wrapped:
+            model, opt = trainstream.wrap(model, opt, max_grad_norm=1.0, activations=1.0,
+                                          tuning=trainstream.Tuning(placement="offload"))
+        for ids in TokenData(n=12).ids.view(3, 4, 16):
+            causal_lm_loss(model, ids).backward()
+            if not wrapped:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad()
+        if wrapped:
+            opt.synchronize()
+            assert opt.activation_pager.blocks_name.endswith("layers") and len(opt.activation_pager.blocks) == 2
+        return model
+
+    stock, ours = trained(False), trained(True)
+    assert type(ours).__name__ == "Qwen2ForCausalLM" and ours.model.layers[0].self_attn.k_proj.bias is not None
+    assert ours.config.num_key_value_heads == 2
+    for a, b in zip(stock.parameters(), ours.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)  # (a step moves a weight 3e-3)
+
+
+def test_an_unknown_architecture_is_refused():
+    from trainstream.fixtures import llama
+    with pytest.raises(ValueError, match="qwen2"):
+        llama(vocab=11, hidden=8, layers=1, heads=2, seq=4, arch="mistral")

@@ -88,21 +88,28 @@ def warmup_cosine(optimizer: torch.optim.Optimizer, warmup: int, total: int) -> 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def llama(*, vocab: int, hidden: int, layers: int, heads: int, seq: int, intermediate: int | None = None) -> nn.Module:
-    """A Llama-style decoder for training: transformers' LlamaForCausalLM built from a config (no
+def llama(*, vocab: int, hidden: int, layers: int, heads: int, seq: int, intermediate: int | None = None,
+          kv_heads: int | None = None, arch: str = "llama") -> nn.Module:
+    """A Llama-style decoder for training: transformers' LlamaForCausalLM (or, with arch="qwen2",
+    Qwen2ForCausalLM, whose query, key and value projections carry biases) built from a config (no
     download, no KV cache: in training a cache keeps every layer's keys and values in VRAM), or
-    a TinyLM of that width and depth when transformers is not installed."""
+    a TinyLM of that width and depth when transformers is not installed. `kv_heads`: grouped-query
+    attention's key and value heads (default: one a query head)."""
     try:
-        from transformers import LlamaConfig, LlamaForCausalLM
+        import transformers
     except ImportError:
         return TinyLM(vocab=vocab, dim=hidden, layers=layers, heads=heads, seq=seq)
-    config = LlamaConfig(
+    families = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM")}
+    if arch not in families:
+        raise ValueError(f"arch must be one of {sorted(families)}, got {arch!r}")
+    config_class, model_class = (getattr(transformers, name) for name in families[arch])
+    config = config_class(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate or int(2.6875 * hidden),
-        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads or heads,
         max_position_embeddings=seq, tie_word_embeddings=False, use_cache=False,
     )
     config._attn_implementation = "sdpa"
-    return LlamaForCausalLM(config)
+    return model_class(config)
 
 
 def causal_lm_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:

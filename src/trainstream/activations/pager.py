@@ -185,43 +185,50 @@ class ActivationPager:
         self.settle = None
         self._forwards = 0
         # the model runs under torch.compile (the optimizer tells, at a window's first forward):
-        # a plan without saved-tensor hooks then leaves the blocks unhooked (see apply())
+        # a plan without saved-tensor hooks then leaves the blocks' hooks idle (_follow_block_hooks)
         self.compiled = False
+        self._blocks_hooked = True  # whether the blocks' hooks act (see _gated)
         self._handles = []
-        self._block_handles = []
         self._model = model
         self._register()
 
     # ----------------------------------------------------------------------- hooks
     def _register(self) -> None:
-        """Hooks what is not hooked: the model, and the blocks unless a compiled model's plan has
-        no use for them."""
+        """Hooks the model and its blocks (once, until remove())."""
+        if self._handles:
+            return
         # The hooks run eagerly under torch.compile (a graph break at each): they read CUDA streams,
         # call the native pager and enter the saved-tensor hooks that the compiled graph then meets.
         eager = torch.compiler.disable
-        if not self._handles:
-            self._handles = [self._model.register_forward_pre_hook(eager(self._model_pre), with_kwargs=True),
-                             self._model.register_forward_hook(eager(self._model_post), always_call=True)]
-        if not self._block_handles and not self._blocks_unhooked():
-            for i, block in enumerate(self.blocks):
-                self._block_handles.append(block.register_forward_pre_hook(eager(self._block_pre(i)),
-                                                                           with_kwargs=True))
-                self._block_handles.append(block.register_forward_hook(eager(self._block_post), always_call=True))
+        self._handles = [self._model.register_forward_pre_hook(eager(self._model_pre), with_kwargs=True),
+                         self._model.register_forward_hook(eager(self._model_post), always_call=True)]
+        for i, block in enumerate(self.blocks):
+            self._handles.append(block.register_forward_pre_hook(self._gated(eager(self._block_pre(i))),
+                                                                 with_kwargs=True))
+            self._handles.append(block.register_forward_hook(self._gated(eager(self._block_post)),
+                                                             always_call=True))
 
-    def _blocks_unhooked(self) -> bool:
-        """A compiled model whose plan pages nothing and measures nothing: a hook at each block
-        would only cut the compiled graph there (and, in a loop over the blocks, leave the loop to
-        eager mode), and torch.compile's own recompute needs none."""
-        return self.compiled and not self.saved_tensor_hooks and not self.profiling
+    def _gated(self, hook):
+        """`hook`, called while the blocks' hooks act. torch.compile traces the check, not the
+        hook: the flag becomes a guard of the compiled code, so a change of it compiles the model
+        again (a hook added or removed after compiling goes unseen: torch skips hook guards)."""
+        def gated(module, args, extra):
+            if self._blocks_hooked:
+                return hook(module, args, extra)
+            return None
+        return gated
 
-    def _unhook(self, handles: list) -> None:
-        for h in handles:
-            h.remove()
-        handles.clear()
+    def _follow_block_hooks(self) -> None:
+        """The blocks' hooks act unless the model runs compiled with a plan that pages nothing and
+        measures nothing: a hook at each block would then only cut the compiled graph there (and,
+        in a loop over the blocks, leave the loop to eager mode), and torch.compile's own
+        recompute needs none."""
+        self._blocks_hooked = not (self.compiled and not self.saved_tensor_hooks and not self.profiling)
 
     def remove(self) -> None:
-        self._unhook(self._handles)
-        self._unhook(self._block_handles)
+        for h in self._handles:
+            h.remove()
+        self._handles = []
         self._restore_forwards()
 
     def reattach(self) -> None:
@@ -235,16 +242,6 @@ class ActivationPager:
         if compiled:
             self.light_census = False
         self._follow_block_hooks()
-
-    def _follow_block_hooks(self) -> None:
-        """While attached, the blocks are hooked exactly when the model and its plan need it (a
-        compiled model's next plan may page again)."""
-        if not self._handles:
-            return
-        if self._blocks_unhooked():
-            self._unhook(self._block_handles)
-        else:
-            self._register()
 
     def _compute_stream(self) -> int:
         return torch.cuda.current_stream(self.device).cuda_stream if self._cuda else 0
@@ -653,6 +650,7 @@ class ActivationPager:
             self.apply_plan(plan_paging(self.profile, share=self.share, vram_budget=self.vram_budget,
                                          keep_last=self.keep_last, recompute=self.recompute))
         self.profiling = False
+        self._follow_block_hooks()
         self._fresh_plan = True
         self.profiled_marks = list(self._times)  # (block, start, end) marks, for the placement profile
         self._times = []

@@ -37,7 +37,8 @@ def report(pager) -> dict:
         "light_blocks": len(plan.light) if plan else 0,  # recomputed lightly (light.py)
         "pageable_blocks": len(pager.blocks) - pager.keep_last,
         "decision": plan.reason if plan else "profiling: every pageable block paged",
-        "paged_bytes_per_step": figures.paged_bytes,
+        # (a lean forward counts nothing: the last full count stands, but not for a plan that pages nothing)
+        "paged_bytes_per_step": figures.paged_bytes if pager.paged_upto else 0,
         "recast_bytes_per_step": figures.recast_bytes,
         "shared_cast_bytes_per_step": figures.shared_cast_bytes,
         "kept_bytes_per_step": figures.kept_bytes,
