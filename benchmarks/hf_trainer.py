@@ -130,10 +130,10 @@ def main(argv=None) -> int:
     print(f"{'acc':>4}{'compile':>9}{'logging':>9}{'trainer':>13}{'step s':>9}{'vs stock':>10}{'peak GB':>9}"
           f"{'max loss diff':>15}")
     for r in results:
-        stock = next(s for s in results if s["trainer"] == "stock"
-                     and all(s[k] == r[k] for k in ("acc", "compile", "logging_steps")))
+        stock = next((s for s in results if s["trainer"] == "stock"
+                      and all(s[k] == r[k] for k in ("acc", "compile", "logging_steps"))), None)
         head = f"{r['acc']:>4}{'on' if r['compile'] else 'off':>9}{r['logging_steps']:>9}{r['trainer']:>13}"
-        if r["step_s"] is None or stock["step_s"] is None:
+        if r["step_s"] is None or stock is None or stock["step_s"] is None:  # (no stock run to compare with)
             print(head + f"{'-' if r['step_s'] is None else format(r['step_s'], '.3f'):>9}  {r.get('error', '')}")
             continue
         diff = max(abs(a - b) / abs(b) for a, b in zip(r["losses"], stock["losses"]))

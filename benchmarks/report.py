@@ -522,6 +522,32 @@ def deepspeed3_offload(results: Path) -> str:
     return "\n\n".join([intro, table, caption([("", record)])])
 
 
+def large_8b_class(results: Path) -> str:
+    """The 8B-class shapes under 24 and 16 GB caps at accumulation 8, the model built in host
+    memory: the step against the bound its plan's profile sets, host memory, and DeepSpeed
+    ZeRO-3 offload's step (or how it failed) beside them."""
+    record = load(results, "large_8b_class")
+    rows = []
+    for r in record["results"]:
+        memory = f"{r['machine_peak_MiB'] * 2**20 / 1e9:.1f} GB"
+        if r.get("step_s") is None:
+            rows.append([r["shape"], f"{r['cap_GB']:g} GB", PEER_NAMES.get(r["mode"], "DeepSpeed ZeRO-3 offload"),
+                         r["error"], "-", "-", "-", memory, "-"])
+            continue
+        placement = r["report"]["placement"]
+        bound = streaming_bound(placement)["bound_s"]
+        rows.append([r["shape"], f"{r['cap_GB']:g} GB", "TrainStream, AdamW8bit (bf16 stochastic rounding)",
+                     s(r["step_s"]), f"{r['step_s'] / bound:.2f}x of {bound:.2f} s", f"{r['tokens_per_s']:.0f}",
+                     gb(r["peak_vram_GB"]), memory, f"{r['report']['host_bytes_per_param']:.2f} B"])
+    intro = ("The Llama-3-8B shape (8.03B: hidden 4096, 32 layers, intermediate 14336, 32 heads, 8 key/value heads, "
+             "vocabulary 128256) and the Qwen2.5-7B shape (7.62B: hidden 3584, 28 layers, intermediate 18944, 28 heads, "
+             "4 key/value heads, vocabulary 152064, biased q/k/v), bf16 weights, batch 1x2048, accumulation 8, clip 1.0, "
+             "the model's own loss. " + BOUND)
+    table = markdown_table(["model", "VRAM cap", "optimizer", "step", "vs bound", "tokens/s", "peak VRAM",
+                            "machine's memory in use, peak", "host bytes a parameter"], rows)
+    return "\n\n".join([intro, table, caption([("", record)])])
+
+
 def copy_under_load(results: Path) -> str:
     records = [load(results, n) for n in ("copy_under_load_a", "copy_under_load_b")]
 
@@ -663,6 +689,7 @@ TABLES = {
     "compile_acc8": runs("compile_acc8"),
     "compile_cap16": runs("compile_cap16"),
     "deepspeed3_offload": deepspeed3_offload,
+    "large_8b_class": large_8b_class,
     "clipping_planned_16gb": runs("clipping_planned_16gb"),
     "clipping_bf16_held": runs("clipping_bf16_held"),
     "clipping_never_one_commit_four_rounds": runs("clipping_never_one_commit_four_rounds"),

