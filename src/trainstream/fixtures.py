@@ -95,13 +95,13 @@ def llama(*, vocab: int, hidden: int, layers: int, heads: int, seq: int, interme
     download, no KV cache: in training a cache keeps every layer's keys and values in VRAM), or
     a TinyLM of that width and depth when transformers is not installed. `kv_heads`: grouped-query
     attention's key and value heads (default: one a query head)."""
+    families = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM")}
+    if arch not in families:
+        raise ValueError(f"arch must be one of {sorted(families)}, got {arch!r}")
     try:
         import transformers
     except ImportError:
         return TinyLM(vocab=vocab, dim=hidden, layers=layers, heads=heads, seq=seq)
-    families = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM")}
-    if arch not in families:
-        raise ValueError(f"arch must be one of {sorted(families)}, got {arch!r}")
     config_class, model_class = (getattr(transformers, name) for name in families[arch])
     config = config_class(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate or int(2.6875 * hidden),
