@@ -527,18 +527,18 @@ def large_8b_class(results: Path) -> str:
     memory: the step against the bound its plan's profile sets, host memory, and DeepSpeed
     ZeRO-3 offload's step (or how it failed) beside them."""
     record = load(results, "large_8b_class")
+    names = {"trainstream+8bit+sr": "TrainStream, AdamW8bit (bf16 stochastic rounding)",
+             "deepspeed3": "DeepSpeed ZeRO-3 offload"}
     rows = []
     for r in record["results"]:
+        head = [r["shape"], f"{r['cap_GB']:g} GB", names[r["mode"]]]
         memory = f"{r['machine_peak_MiB'] * 2**20 / 1e9:.1f} GB"
         if r.get("step_s") is None:
-            rows.append([r["shape"], f"{r['cap_GB']:g} GB", PEER_NAMES.get(r["mode"], "DeepSpeed ZeRO-3 offload"),
-                         r["error"], "-", "-", "-", memory, "-"])
+            rows.append(head + [r["error"], "-", "-", "-", memory, "-"])
             continue
-        placement = r["report"]["placement"]
-        bound = streaming_bound(placement)["bound_s"]
-        rows.append([r["shape"], f"{r['cap_GB']:g} GB", "TrainStream, AdamW8bit (bf16 stochastic rounding)",
-                     s(r["step_s"]), f"{r['step_s'] / bound:.2f}x of {bound:.2f} s", f"{r['tokens_per_s']:.0f}",
-                     gb(r["peak_vram_GB"]), memory, f"{r['report']['host_bytes_per_param']:.2f} B"])
+        bound = streaming_bound(r["report"]["placement"])["bound_s"]
+        rows.append(head + [s(r["step_s"]), f"{r['step_s'] / bound:.2f}x of {bound:.2f} s", f"{r['tokens_per_s']:.0f}",
+                            gb(r["peak_vram_GB"]), memory, f"{r['report']['host_bytes_per_param']:.2f} B"])
     intro = ("The Llama-3-8B shape (8.03B: hidden 4096, 32 layers, intermediate 14336, 32 heads, 8 key/value heads, "
              "vocabulary 128256) and the Qwen2.5-7B shape (7.62B: hidden 3584, 28 layers, intermediate 18944, 28 heads, "
              "4 key/value heads, vocabulary 152064, biased q/k/v), bf16 weights, batch 1x2048, accumulation 8, clip 1.0, "

@@ -185,9 +185,8 @@ class ActivationPager:
         self.settle = None
         self._forwards = 0
         # the model runs under torch.compile (the optimizer tells, at a window's first forward):
-        # a plan without saved-tensor hooks then leaves the blocks' hooks idle (_follow_block_hooks)
+        # a plan without saved-tensor hooks then leaves the blocks' hooks idle (_blocks_hooked)
         self.compiled = False
-        self._blocks_hooked = True  # whether the blocks' hooks act (see _gated)
         self._handles = []
         self._model = model
         self._register()
@@ -210,20 +209,22 @@ class ActivationPager:
 
     def _gated(self, hook):
         """`hook`, called while the blocks' hooks act. torch.compile traces the check, not the
-        hook: the flag becomes a guard of the compiled code, so a change of it compiles the model
-        again (a hook added or removed after compiling goes unseen: torch skips hook guards)."""
+        hook: what the check reads becomes a guard of the compiled code, so a change of it compiles
+        the model again (a hook added or removed after compiling goes unseen: torch skips hook
+        guards)."""
         def gated(module, args, extra):
             if self._blocks_hooked:
                 return hook(module, args, extra)
             return None
         return gated
 
-    def _follow_block_hooks(self) -> None:
+    @property
+    def _blocks_hooked(self) -> bool:
         """The blocks' hooks act unless the model runs compiled with a plan that pages nothing and
         measures nothing: a hook at each block would then only cut the compiled graph there (and,
         in a loop over the blocks, leave the loop to eager mode), and torch.compile's own
         recompute needs none."""
-        self._blocks_hooked = not (self.compiled and not self.saved_tensor_hooks and not self.profiling)
+        return not (self.compiled and not self.saved_tensor_hooks and not self.profiling)
 
     def remove(self) -> None:
         for h in self._handles:
@@ -241,7 +242,6 @@ class ActivationPager:
         self.compiled = compiled
         if compiled:
             self.light_census = False
-        self._follow_block_hooks()
 
     def _compute_stream(self) -> int:
         return torch.cuda.current_stream(self.device).cuda_stream if self._cuda else 0
@@ -431,7 +431,6 @@ class ActivationPager:
         nothing is paged and no saved tensor passes through a hook of ours: the recomputed blocks
         are torch's checkpointing alone."""
         self.saved_tensor_hooks = hooks
-        self._follow_block_hooks()
         self.apply_plan(Plan(paged_blocks=paged, pageable_blocks=len(self.blocks), reason=reason,
                               recomputed=tuple(recomputed), recompute_seconds=recompute_seconds, light=tuple(light)))
         self._fresh_plan = True
@@ -650,7 +649,6 @@ class ActivationPager:
             self.apply_plan(plan_paging(self.profile, share=self.share, vram_budget=self.vram_budget,
                                          keep_last=self.keep_last, recompute=self.recompute))
         self.profiling = False
-        self._follow_block_hooks()
         self._fresh_plan = True
         self.profiled_marks = list(self._times)  # (block, start, end) marks, for the placement profile
         self._times = []
