@@ -92,6 +92,7 @@ def run(kind: str, acc: int, compiled: bool, logging_steps: int, args) -> dict:
             report = optimizer.report()
             result["placement"] = {k: report["placement"][k] for k in ("resident_params", "offloaded_params")}
             result["speculation"] = report["speculation"]
+            print(optimizer.describe(), flush=True)  # (the plan the run got, for comparing with train_step.py's)
             optimizer.remove_hooks()
     del trainer, model
     gc.collect()

@@ -10,6 +10,7 @@ pytest.importorskip("accelerate")
 
 from trainstream.integrations.huggingface import TrainStreamTrainer, _unwrap  # noqa: E402
 from trainstream.errors import UnsupportedSetupError  # noqa: E402
+from trainstream.optimizer import OffloadedAdamW  # noqa: E402
 
 
 class TokenData(torch.utils.data.Dataset):
@@ -59,6 +60,19 @@ def test_losses_and_grad_norms_match_the_stock_trainer(tmp_path):
     assert all(e["trainstream_host_GB"] == round(report["host_bytes_used"] / 1e9, 3)
                and e["trainstream_isa"] == report["isa"] for e in ours)
     assert all(p.grad is None for p in trainer.model.parameters())
+
+
+def test_accelerate_leaves_the_offloaded_state_where_it_is(tmp_path, monkeypatch):
+    # accelerate's optimizer placement copies the whole state dict to the device and loads it
+    # back: on a GPU, every offloaded state tensor at once. Neither may happen to ours.
+    calls = []
+    for name in ("state_dict", "load_state_dict"):
+        original = getattr(OffloadedAdamW, name)
+        monkeypatch.setattr(OffloadedAdamW, name, lambda self, *a, _f=original, _n=name: calls.append(_n) or _f(self, *a))
+    trainer = TrainStreamTrainer(model=tiny_llama(), args=arguments(tmp_path, max_steps=2), train_dataset=TokenData())
+    trainer.train()
+    assert calls == []
+    assert trainer.optimizer.device_placement is False  # (accelerate's wrapper around ours)
 
 
 def test_fp16_is_refused(tmp_path):

@@ -56,6 +56,19 @@ class TrainStreamTrainer(Trainer):
         # gradients on the device.
         self.args.max_grad_norm = 0.0
 
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()
+        # accelerate "places" an optimizer by copying its state dict to the device and loading it
+        # back. TrainStream's state is already where its plan keeps it: the copy would put every
+        # offloaded byte on the GPU at once (out of memory under a cap) and cross PCIe twice.
+        prepare = self.accelerator.prepare_optimizer
+
+        def prepare_optimizer(optimizer, device_placement=None):
+            ours = isinstance(_unwrap(optimizer), OffloadedAdamW)
+            return prepare(optimizer, device_placement=False if ours else device_placement)
+
+        self.accelerator.prepare_optimizer = prepare_optimizer
+
     def create_optimizer(self, model=None):
         optimizer = super().create_optimizer(model) if model is not None else super().create_optimizer()
         if not isinstance(_unwrap(optimizer), OffloadedAdamW):
