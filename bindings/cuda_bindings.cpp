@@ -42,18 +42,19 @@ void bind_cuda(py::module_& m) {
   m.def("cuda_pipeline",
         [](int device, std::uintptr_t download_stream, std::uintptr_t upload_stream, std::size_t threads,
            const std::optional<std::string>& isa, std::size_t max_download_bytes, bool device_accumulate,
-           int niceness) {
+           int niceness, bool register_pinned) {
           return std::make_unique<OffloadPipeline>(
-              std::make_unique<CudaTransfer>(device, download_stream, upload_stream), threads,
+              std::make_unique<CudaTransfer>(device, download_stream, upload_stream, register_pinned), threads,
               parse_optional_isa(isa), max_download_bytes, device_accumulate, niceness);
         },
         py::arg("device"), py::arg("download_stream"), py::arg("upload_stream"), py::arg("threads") = 0,
         py::arg("isa") = py::none(), py::arg("max_download_bytes") = std::size_t(512) << 20, py::kw_only(),
-        py::arg("device_accumulate") = true, py::arg("niceness") = 0,
+        py::arg("device_accumulate") = true, py::arg("niceness") = 0, py::arg("register_pinned") = false,
         "An offload pipeline over pinned host memory, copying on the two given CUDA streams. With "
         "device_accumulate, micro-batch gradients are added into the host accumulator by a kernel "
         "on the download stream instead of being copied and added on the host. Its engine threads "
-        "run `niceness` nicer than the calling thread.");
+        "run `niceness` nicer than the calling thread. With register_pinned, host memory is allocated, "
+        "faulted in from every CPU and registered with cudaHostRegister instead of cudaHostAlloc'ed.");
 
   def_with_hyper(
       m, "device_adamw_step", HyperKeywords::required,

@@ -88,6 +88,32 @@ def test_parity_on_gpu(dtype, clip, acc, in_vram):
             assert torch.equal(p.detach().cpu(), master.to(torch.bfloat16)), n
 
 
+def test_host_memory_pinned_by_registering_trains_the_same_bits():
+    # Tuning(register_pinned=True): slabs faulted in on every CPU, then cudaHostRegister'ed,
+    # mapped for the kernel that adds micro-batches into the host sums (accumulation 4)
+    def train(register: bool):
+        torch.manual_seed(0)
+        model = TinyLM(dim=64).cuda()
+        opt = torch.optim.AdamW(param_groups(model), lr=3e-3)
+        model, opt = trainstream.wrap(model, opt, max_grad_norm=1.0, accumulation_steps=4,
+                                      tuning=trainstream.Tuning(placement="offload", register_pinned=register))
+        for step in range(4):
+            for micro in range(4):
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    (model.loss(tokens_for(step * 4 + micro)) / 4).backward()
+            opt.step()
+            opt.zero_grad()
+        opt.synchronize()
+        p = next(model.parameters())
+        assert opt.state[p]["exp_avg"].is_pinned()
+        weights = [q.detach().cpu().clone() for q in model.parameters()]
+        opt.remove_hooks()
+        return weights
+
+    for a, b in zip(train(False), train(True)):
+        assert torch.equal(a, b)
+
+
 def test_forward_gates_come_off_only_once_uploads_have_finished():
     """With no update queued and every upload's event complete, the forward gates come off
     (CudaTransfer::upload_complete); while an upload is still queued on the device they stay on,

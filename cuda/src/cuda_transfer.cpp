@@ -2,8 +2,15 @@
 
 #include <cuda_runtime_api.h>
 
+#include <sys/mman.h>
+
 #include <algorithm>
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "accumulate.hpp"
 #include "apply_update.hpp"
@@ -56,27 +63,72 @@ void mark_landed(CudaSlot& slot, cudaStream_t download_stream, std::function<voi
   }
 }
 
+constexpr std::size_t kHugePage = std::size_t(2) << 20;
+
+// Zeroes [p, p + bytes) from as many threads as there are CPUs: fresh memory costs a page fault
+// per page, and faults taken side by side finish sooner than one thread's (or the driver's).
+void fault_in_parallel(char* p, std::size_t bytes) {
+  constexpr std::size_t kPiece = std::size_t(64) << 20;
+  const std::size_t pieces = (bytes + kPiece - 1) / kPiece;
+  const std::size_t cpus = std::max(1u, std::thread::hardware_concurrency());
+  std::atomic<std::size_t> next{0};
+  auto work = [&] {
+    for (std::size_t k = next++; k < pieces; k = next++) std::memset(p + k * kPiece, 0, std::min(kPiece, bytes - k * kPiece));
+  };
+  std::vector<std::thread> helpers;
+  for (std::size_t t = 1; t < std::min(cpus, pieces); ++t) helpers.emplace_back(work);
+  work();
+  for (auto& t : helpers) t.join();
+}
+
+[[noreturn]] void cannot_pin(std::size_t bytes, const char* why) {
+  throw Error("cannot pin " + std::to_string(bytes >> 20) + " MiB of host memory (" + why +
+              "); lower the memory TrainStream needs or free host RAM");
+}
+
 }  // namespace
 
 void* PinnedSlabs::allocate(std::size_t bytes) {
   void* p = nullptr;
+  if (registered_) {
+    const std::size_t size = (bytes + kHugePage - 1) / kHugePage * kHugePage;
+    p = std::aligned_alloc(kHugePage, size);
+    if (p == nullptr) cannot_pin(bytes, "out of memory");
+    madvise(p, size, MADV_HUGEPAGE);  // (advice: fewer pages to fault in and to pin; ignored if unsupported)
+    fault_in_parallel(static_cast<char*>(p), size);
+    const cudaError_t status = cudaHostRegister(p, size, cudaHostRegisterMapped | cudaHostRegisterPortable);
+    if (status != cudaSuccess) {
+      cudaGetLastError();
+      std::free(p);
+      cannot_pin(bytes, cudaGetErrorString(status));
+    }
+    return p;
+  }
   // Mapped: kernels address it directly (accumulate_download); portable: on every device.
   const cudaError_t status = cudaHostAlloc(&p, bytes, cudaHostAllocMapped | cudaHostAllocPortable);
   if (status != cudaSuccess) {
     cudaGetLastError();
-    throw Error("cannot pin " + std::to_string(bytes >> 20) + " MiB of host memory (" +
-                cudaGetErrorString(status) + "); lower the memory TrainStream needs or free host RAM");
+    cannot_pin(bytes, cudaGetErrorString(status));
   }
   return p;
 }
 
-void PinnedSlabs::release(void* slab, std::size_t) noexcept { cudaFreeHost(slab); }
+void PinnedSlabs::release(void* slab, std::size_t) noexcept {
+  if (!registered_) {
+    cudaFreeHost(slab);
+    return;
+  }
+  cudaHostUnregister(slab);
+  std::free(slab);
+}
 
-CudaTransfer::CudaTransfer(int device, std::uintptr_t download_stream, std::uintptr_t upload_stream)
+CudaTransfer::CudaTransfer(int device, std::uintptr_t download_stream, std::uintptr_t upload_stream,
+                           bool register_pinned)
     : device_(device),
       download_stream_(download_stream),
       upload_stream_(upload_stream),
-      arena_(std::make_unique<PinnedSlabs>()) {
+      register_pinned_(register_pinned),
+      arena_(std::make_unique<PinnedSlabs>(register_pinned)) {
   TS_CUDA_CHECK(cudaSetDevice(device_));
   cudaEvent_t event = nullptr;
   TS_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));

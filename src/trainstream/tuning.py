@@ -59,6 +59,10 @@ class Tuning:
     # ones in forward order). None: as many as the VRAM budget needs, none when the weights fit
     # (under placement "auto"; none otherwise); an integer: that many, from wrap() on.
     streamed_blocks: int | None = None
+    # CUDA: pin host memory by allocating it, faulting it in from every CPU and registering it with
+    # cudaHostRegister, rather than by cudaHostAlloc, which faults and pins each page on one
+    # thread (the bulk of wrap()'s time for a model with tens of GB of offloaded state).
+    register_pinned: bool = False
 
     def __post_init__(self) -> None:
         placement = self.placement
@@ -79,7 +83,7 @@ class Tuning:
             if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "prefetch_depth" else 0):
                 raise ValueError(f"{name} must be an integer >= {1 if name == 'prefetch_depth' else 0}, got {value!r}")
         for name in ("track_grad_norm", "recompute", "light_recompute", "speculative_clipping", "pack_gradients",
-                     "upload_update_terms"):
+                     "upload_update_terms", "register_pinned"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.light_recompute and (self.placement != "auto" or not self.recompute):

@@ -11,24 +11,34 @@
 
 namespace trainstream {
 
-// Page-locked slabs from cudaHostAlloc: pinned once, reused for the arena's whole life, and
-// mapped into the device's address space so that kernels can read and write them.
+// Page-locked slabs: pinned once, reused for the arena's whole life, and mapped into the device's
+// address space so that kernels can read and write them. From cudaHostAlloc, or (`registered`)
+// allocated here, faulted in (zeroed) from every core at once, then registered with
+// cudaHostRegister: cudaHostAlloc faults and pins its pages on one thread.
 class PinnedSlabs : public SlabSource {
  public:
+  explicit PinnedSlabs(bool registered = false) : registered_(registered) {}
   void* allocate(std::size_t bytes) override;
   void release(void* slab, std::size_t bytes) noexcept override;
   const char* kind() const override { return "pinned"; }
+
+ private:
+  bool registered_;
 };
 
 class CudaTransfer : public Transfer {
  public:
   // Streams are cudaStream_t handles owned by the caller, who keeps them alive.
-  CudaTransfer(int device, std::uintptr_t download_stream, std::uintptr_t upload_stream);
+  // `register_pinned`: PinnedSlabs(registered) for this transfer's host memory.
+  CudaTransfer(int device, std::uintptr_t download_stream, std::uintptr_t upload_stream,
+               bool register_pinned = false);
   ~CudaTransfer() override;
 
   std::unique_ptr<TransferSlot> make_slot() override;
   HostArena& arena() override { return arena_; }
-  std::unique_ptr<SlabSource> slab_source() const override { return std::make_unique<PinnedSlabs>(); }
+  std::unique_ptr<SlabSource> slab_source() const override {
+    return std::make_unique<PinnedSlabs>(register_pinned_);
+  }
   bool is_device() const override { return true; }
   void download(TransferSlot& slot, void* host, const void* device, std::size_t bytes,
                 std::uintptr_t producer_stream, std::function<void()> landed) override;
@@ -64,6 +74,7 @@ class CudaTransfer : public Transfer {
   int device_;
   std::uintptr_t download_stream_;
   std::uintptr_t upload_stream_;
+  bool register_pinned_;
   HostArena arena_;
   std::mutex staging_mutex_;
   float* staging_ = nullptr;  // device memory owned by the caller
