@@ -157,8 +157,9 @@ def sweep_table(record: dict) -> str:
 
 
 BOUND = ("The bound is what the step cannot beat: the largest of the GPU's forward, backward and recomputes, the "
-         "host updates of the offloaded parameters and the streamed weights crossing twice at the measured pinned "
-         "bandwidth, all from the plan's profile.")
+         "host updates of the offloaded parameters and the busier direction of PCIe at the measured pinned "
+         "bandwidth (streamed weights twice a micro-batch, updated weights, gradients, and with accumulation the "
+         "host sums the GPU adds each micro-batch to), all from the plan's profile.")
 
 
 def streaming_bound(placement: dict) -> dict:
@@ -197,7 +198,7 @@ def stream_price(name: str):
                  f"planner streams as many blocks' weights as the cap needs. \"vs resident\" compares with {where}, "
                  f"the tightest that kept every weight on the GPU. {BOUND}")
         table = markdown_table(["VRAM cap", "blocks streamed", "step, peak", "vs resident", "GPU compute",
-                                "host update", "weight copies", "step / bound"], rows)
+                                "host update", "PCIe copies", "step / bound"], rows)
         return "\n\n".join([intro, table, caption([("", record)])])
     return render
 

@@ -652,8 +652,18 @@ def test_a_recorded_profile_reads_back_and_bounds_a_step():
     bound = planner.bound_seconds(profile, plan)
     assert bound["gpu_s"] == pytest.approx(0.025 + 0.050 + 0.0003)
     assert bound["host_s"] == pytest.approx(sum(p.numel for p in profile.params) * 0.25e-9)
-    assert bound["copies_s"] == 0.0  # (the made-up blocks record no weights)
+    # up: the updated weights outside the two streamed blocks (whose made-up costs record no
+    # weights to stream); down: every gradient, 2 bytes an element without accumulation
+    outside = 65_000_000 + 8 * 25_000_000 + 65_000_000
+    assert bound["h2d_s"] == pytest.approx(4 * outside / 50e9)
+    assert bound["d2h_s"] == pytest.approx(2 * sum(p.numel for p in profile.params) / 50e9)
+    assert bound["copies_s"] == bound["h2d_s"]
     assert bound["bound_s"] == max(bound["gpu_s"], bound["host_s"])
+    # with accumulation the host sums cross both ways every micro-batch
+    summed = planner.bound_seconds(replace(profile, accumulation_steps=8), plan)
+    elements = sum(p.numel for p in profile.params)
+    assert summed["d2h_s"] == pytest.approx(8 * 4 * elements / 50e9)
+    assert summed["h2d_s"] == pytest.approx((4 * outside + 7 * 4 * elements) / 50e9)
 
 
 def test_blocks_that_write_into_their_matmuls_outputs_are_not_offered_light_recompute():

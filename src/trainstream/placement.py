@@ -417,14 +417,34 @@ def step_seconds(profile: Profile, plan: Plan) -> tuple[float, dict]:
 
 def bound_seconds(profile: Profile, plan: Plan) -> dict:
     """What a step under `plan` cannot beat, each part alone: the GPU's forwards, backwards and
-    recomputes; the host's updates of the offloaded parameters; the streamed blocks' weights
-    crossing twice a micro-batch (forward, then backward) at the measured bandwidth."""
+    recomputes; the host's updates of the offloaded parameters; and PCIe, the busier direction of
+    the copies the plan makes. Up: the streamed blocks' weights twice a micro-batch (forward, then
+    backward), the sums of micro-batches that a kernel reads back to add to, the updated weights
+    of the offloaded parameters outside the streamed blocks. Down: each offloaded gradient, every
+    micro-batch where the sum is on the host (fp32), once a step where it is in VRAM (fp32) or
+    there is no accumulation (2 bytes an element: the least a gradient crosses in)."""
     acc = profile.accumulation_steps
+    params = profile.params
     gpu = acc * (profile.forward_s + profile.backward_s + recompute_seconds(profile, plan))
-    host = profile.host_s_per_param * sum(p.numel for p in profile.params[plan.resident:])
-    streamed = sum(profile.blocks[j].weight_bytes for j in streamed_blocks(profile, plan.streamed)) if plan.streamed else 0
-    copies = acc * 2 * streamed / profile.h2d_bytes_per_s if streamed else 0.0
-    return {"gpu_s": gpu, "host_s": host, "copies_s": copies, "bound_s": max(gpu, host, copies)}
+    host = profile.host_s_per_param * sum(p.numel for p in params[plan.resident:])
+    streaming = set(streamed_blocks(profile, plan.streamed)) if plan.streamed else set()
+    up = acc * 2 * sum(profile.blocks[j].weight_bytes for j in streaming)
+    down = 0
+    for i in range(plan.resident, len(params)):
+        p = params[i]
+        if p.block not in streaming:
+            up += p.element_size * p.numel
+        if acc == 1:
+            down += 2 * p.numel
+        elif _vram_sum(profile, plan, i):
+            down += 4 * p.numel
+        else:  # the first micro-batch lands in the sum, the others are added to it
+            down += 4 * acc * p.numel
+            up += 4 * (acc - 1) * p.numel
+    h2d, d2h = up / profile.h2d_bytes_per_s, down / profile.d2h_bytes_per_s
+    copies = max(h2d, d2h)
+    return {"gpu_s": gpu, "host_s": host, "copies_s": copies, "h2d_s": h2d, "d2h_s": d2h,
+            "bound_s": max(gpu, host, copies)}
 
 
 def profile_from(figures: dict) -> Profile:
