@@ -186,7 +186,9 @@ def test_a_compiled_model_under_a_vram_budget_trains_within_it_as_the_eager_one(
     size = dict(vocab=1000, dim=512, heads=8, seq=256, batch=32)
     torch.cuda.reset_peak_memory_stats()
     train("eager", "cuda", size=size, placement="auto")  # (the blocks save about 0.6 GiB under autocast)
-    budget = int(0.85 * torch.cuda.max_memory_allocated())  # what it takes uncapped does not fit
+    # what it takes uncapped does not fit (at 0.85 of it the first plan's estimate, two blocks'
+    # activations in the profiled steps, was refused before the first step on an H100)
+    budget = int(0.95 * torch.cuda.max_memory_allocated())
     gc.collect()
     torch.cuda.empty_cache()
     eager = train("eager", "cuda", size=size, placement="auto", vram_budget=budget)

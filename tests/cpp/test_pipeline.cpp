@@ -360,6 +360,30 @@ TEST_CASE("the update matches HostAdamW on the same buffers") {
   CHECK(stats.busy_seconds > 0);
 }
 
+TEST_CASE("the engine's rate times its updates alone, not the micro-batches it adds") {
+  Rig rig(std::size_t(1) << 30, /*device_accumulate=*/false);
+  const std::size_t n = 1 << 20;
+  std::vector<float> grad(n, 0.5f), weight(n, 1.0f);
+  auto p = rig.pipeline->add_param(n, DType::float32, true);
+  rig.pipeline->load_weights(*p, reinterpret_cast<std::uintptr_t>(weight.data()), 0);
+  GradJob add;
+  add.accumulate = true;
+  for (int micro = 0; micro < 3; ++micro) {  // added on the engine's threads
+    add.overwrite = micro == 0;
+    rig.pipeline->land_gradient(p, reinterpret_cast<std::uintptr_t>(grad.data()), 0, add);
+    rig.transfer->land_all();
+    rig.pipeline->synchronize();
+  }
+  CHECK(p->accumulator[n - 1] == 1.5f);
+  CHECK(rig.pipeline->stats().busy_seconds == 0.0);
+  GradJob update = update_job(reinterpret_cast<std::uintptr_t>(weight.data()));
+  update.from_accumulator = true;
+  rig.pipeline->submit(p, update);
+  rig.pipeline->synchronize();
+  CHECK(rig.pipeline->stats().busy_seconds > 0.0);
+  CHECK(rig.pipeline->stats().updated_elements == n);
+}
+
 TEST_CASE("jobs cut into chunks across threads give HostAdamW's updates and the pool's norms") {
   const std::size_t threads = 4, n = 300000;  // 16 chunks a parameter on 4 threads
   Rig rig(std::size_t(1) << 30, true, threads);

@@ -275,7 +275,8 @@ class OffloadPipeline {
 
   std::size_t pending() const;
   // How fast the engine updates, for the placement planner: wall seconds during which at least one
-  // thread ran a chunk, and elements updated, since construction.
+  // thread ran a chunk of an update (jobs that only add micro-batches or measure are left out), and
+  // elements updated, since construction.
   struct Stats {
     double busy_seconds = 0;
     std::uint64_t updated_elements = 0;
@@ -426,7 +427,7 @@ class OffloadPipeline {
   std::deque<std::unique_ptr<Task>> queue_;    // not started
   std::deque<std::unique_ptr<Task>> running_;  // started, in start order
   std::size_t in_flight_ = 0;
-  std::size_t running_chunks_ = 0;
+  std::size_t running_update_chunks_ = 0;
   std::chrono::steady_clock::time_point busy_since_;
   Stats stats_;
   // Gradient landing (and land_scale's verdicts):

@@ -30,7 +30,9 @@ void OffloadPipeline::worker_loop() {
       return task || (stopping_ && queue_.empty() && running_.empty());
     });
     if (!task) return;  // stopping, nothing left
-    if (running_chunks_++ == 0) busy_since_ = std::chrono::steady_clock::now();
+    // (the rate the planner reads is the updates': a job that only adds or measures is not timed)
+    const bool timed = task->job.update;
+    if (timed && running_update_chunks_++ == 0) busy_since_ = std::chrono::steady_clock::now();
     lock.unlock();
     bool ok = true;
     try {
@@ -40,7 +42,7 @@ void OffloadPipeline::worker_loop() {
       ok = false;
     }
     lock.lock();
-    if (--running_chunks_ == 0) {
+    if (timed && --running_update_chunks_ == 0) {
       stats_.busy_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - busy_since_).count();
     }
     if (!ok) task->skip = true;
