@@ -77,10 +77,11 @@ def run_mode(mode: str, args) -> dict:
     # the host engine's threads N nicer than this thread (Tuning(engine_niceness=N); '+nice0' is
     # the baseline for the default, 5).
     # '+waitclip' makes clipped host updates wait for the global norm instead of speculating.
-    # '+cpuadd' adds micro-batches into the host sums on the engine's threads (as 'hostacc' does)
-    # instead of by a kernel reading and writing them over PCIe, keeping the planner's placement.
-    # '+register' pins host memory by cudaHostRegister after faulting it in from every CPU
-    # (Tuning(register_pinned=True)) instead of by cudaHostAlloc.
+    # '+gpuadd' adds micro-batches into the host sums by the kernel that reads and writes them over
+    # PCIe, even where weights stream (Tuning(add_on_host=False); the planner adds them on the
+    # engine's threads there).
+    # '+hostalloc' pins host memory by cudaHostAlloc (Tuning(register_pinned=False)) instead of
+    # faulting it in from every CPU and registering it.
     # '+ckpt' or '+save_on_cpu' may come with one of TrainStream's variants: 'trainstream+ckpt+auto'.
     # On any mode: '+compile' compiles the model (torch.compile, default mode) before the optimizer
     # is built or wrapped, '+compileafter' after wrap(); '+noclip' or '+clipX' (e.g. +clip1e9)
@@ -95,7 +96,7 @@ def run_mode(mode: str, args) -> dict:
     clip = args.clip if not clips else None if clips[0] == "noclip" else float(clips[0][4:])
     compiling = [e for e in extras if e in ("compile", "compileafter")]
     knobs = {e for e in extras if e in ("fp32grads", "everygate", "pageonly", "master", "offload", "waitclip", "light", "8bit", "sr",
-                                        "cpuadd", "register", "pin", f"t{threads}", f"nice{nice}", *clips, *compiling, *(f"stream{n}" for n in streams))}
+                                        "gpuadd", "hostalloc", "pin", f"t{threads}", f"nice{nice}", *clips, *compiling, *(f"stream{n}" for n in streams))}
     keeping = [e for e in extras if e in ("ckpt", "save_on_cpu")]
     variants = [e for e in extras if e not in knobs and e not in keeping]
     if len(variants) > 1 or len(keeping) > 1:
@@ -131,7 +132,7 @@ def run_mode(mode: str, args) -> dict:
         tuning = dict(recompute="pageonly" not in knobs, threads=threads, pack_gradients="fp32grads" not in knobs,
                       upload_update_terms="master" not in knobs, speculative_clipping="waitclip" not in knobs,
                       streamed_blocks=streams[0] if streams else None, light_recompute="light" in knobs,
-                      register_pinned="register" in knobs)
+                      register_pinned="hostalloc" not in knobs, add_on_host=False if "gpuadd" in knobs else None)
         if nice is not None:
             tuning.update(engine_niceness=nice)
         if variant or "offload" in knobs:
@@ -151,7 +152,7 @@ def run_mode(mode: str, args) -> dict:
             os.sched_setaffinity(0, CPUS[:1])
         setup_s = time.perf_counter() - t0
         sync = opt.synchronize
-        if variant == "hostacc" or "cpuadd" in knobs:  # micro-batches added by host threads
+        if variant == "hostacc":  # micro-batches added by host threads
             baselines.add_micro_batches_on_host(opt)
         baselines.gate_every_forward(opt, "everygate" in knobs)
     elif base == "torchao":

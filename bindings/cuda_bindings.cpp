@@ -49,7 +49,7 @@ void bind_cuda(py::module_& m) {
         },
         py::arg("device"), py::arg("download_stream"), py::arg("upload_stream"), py::arg("threads") = 0,
         py::arg("isa") = py::none(), py::arg("max_download_bytes") = std::size_t(512) << 20, py::kw_only(),
-        py::arg("device_accumulate") = true, py::arg("niceness") = 0, py::arg("register_pinned") = false,
+        py::arg("device_accumulate") = true, py::arg("niceness") = 0, py::arg("register_pinned") = true,
         "An offload pipeline over pinned host memory, copying on the two given CUDA streams. With "
         "device_accumulate, micro-batch gradients are added into the host accumulator by a kernel "
         "on the download stream instead of being copied and added on the host. Its engine threads "

@@ -333,6 +333,23 @@ def test_weights_over_the_budget_stream_from_the_first_step():
         train(base, "cpu", streamed=None, tuning=tuning, wrap_kwargs={"vram_budget": int(0.3 * weights)})
 
 
+def test_micro_batches_are_added_on_the_host_where_weights_stream():
+    # a kernel that reads each host sum back over PCIe would compete with the streamed weights
+    torch.manual_seed(0)
+    base = TinyLM(layers=6)
+    weights = sum(p.numel() * p.element_size() for p in base.parameters())
+
+    def run(budget, **tuning):
+        return train(base, "cpu", streamed=None, acc=2, clip=1.0, tuning=trainstream.Tuning(placement="auto", **tuning),
+                     wrap_kwargs={"vram_budget": int(budget * weights)})
+
+    streamed, by_kernel, kept = run(1.4), run(1.4, add_on_host=False), run(10)
+    assert streamed[1].plan.streamed and not kept[1].plan.streamed
+    assert not streamed[1].engine.pipeline.device_accumulate
+    assert by_kernel[1].engine.pipeline.device_accumulate and kept[1].engine.pipeline.device_accumulate
+    assert_same_training(streamed, by_kernel)
+
+
 def test_host_memory_for_streamed_weights_is_planned_before_pinning():
     model = TinyLM(layers=3).to(torch.bfloat16)
     numel = sum(p.numel() for p in model.parameters())

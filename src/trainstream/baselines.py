@@ -13,6 +13,7 @@ def add_micro_batches_on_host(optimizer: OffloadedAdamW) -> None:
     """Micro-batches after the first are copied to host memory and added there by the engine's
     threads, instead of added into the host accumulator by the copy itself: the baseline the
     device-side addition is measured against."""
+    optimizer.promotion.add_on_host = True  # (what later plans keep)
     optimizer.engine.pipeline.device_accumulate = False
 
 

@@ -53,6 +53,11 @@ class Reporter:
         if streamer is not None and (tiers.plan is None or not tiers.plan.streamed):
             lines.append(f"weights: {len(streamer.modules)} blocks' ({streamer.weight_bytes / 1e9:.2f} GB) "
                          f"stream from host memory, one block ahead of their use")
+        summed = sum(self._slots.sums_on_host(s) for s in order)
+        if summed and self._engine.device.type == "cuda" and self._dp is None:
+            how = ("copied down and added by the host engine's threads" if not self._engine.pipeline.device_accumulate
+                   else "added by a GPU kernel that reads and writes them over PCIe")
+            lines.append(f"micro-batches: {summed} parameters summed in host memory, {how}")
         compact = self._optimizer_line()
         if compact:
             lines.append(compact)

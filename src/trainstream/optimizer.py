@@ -128,7 +128,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
                                   release_terms=self.clipping.release_terms, holds_terms=self.clipping.holds_terms)
         self.promotion = Promotion(engine, self.slots, self.window, self.clipping, model, pager=activation_pager,
                                    placement=tuning.placement, vram_budget=vram_budget,
-                                   accumulate_in_vram=tuning.accumulate_in_vram, prefetch_depth=tuning.prefetch_depth,
+                                   accumulate_in_vram=tuning.accumulate_in_vram, add_on_host=tuning.add_on_host,
+                                   prefetch_depth=tuning.prefetch_depth,
                                    data_parallel=data_parallel, synchronize=weakly(self.synchronize),
                                    tiers_changed=weakly(self._tiers_changed), planned=weakly(self._planned),
                                    host_held=weakly(self._host_held))
