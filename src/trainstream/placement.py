@@ -103,6 +103,10 @@ class Profile:
     stream_depth: int = 1  # streamed blocks fetched ahead of the one in use (Tuning.prefetch_depth)
     host_room: int | None = None  # host bytes paged activations may take (pinned slots already held included)
     recompute: bool = True  # blocks may run their forward again (Tuning(recompute=False): never)
+    # How micro-batches reach the host sums (Tuning.add_on_host): False, a kernel reading each sum
+    # back over PCIe (as in profiles recorded before the choice); True, the engine's threads; None,
+    # the threads where the plan streams weights (adds_on_host)
+    add_on_host: bool | None = False
 
 
 @dataclass
@@ -333,6 +337,12 @@ def recompute_seconds(profile: Profile, plan: Plan) -> float:
     return sum(whole) + sum(blocks[j].light_s for j in plan.light)
 
 
+def adds_on_host(profile: Profile, plan: Plan) -> bool:
+    """Whether the engine's threads add micro-batches into the host sums under `plan` (else a
+    kernel that reads each sum back over PCIe, which competes with streamed weights for the link)."""
+    return profile.add_on_host if profile.add_on_host is not None else plan.streamed > 0
+
+
 def step_seconds(profile: Profile, plan: Plan) -> tuple[float, dict]:
     """The expected time of one optimizer step (all its micro-batches) under `plan`, and what it
     is made of."""
@@ -350,8 +360,13 @@ def step_seconds(profile: Profile, plan: Plan) -> tuple[float, dict]:
     offloaded = list(range(plan.resident, len(params)))
     link = min(profile.d2h_bytes_per_s, profile.h2d_bytes_per_s)
     host_sums = [i for i in offloaded if not _vram_sum(profile, plan, i)]
-    # micro-batches summed into host memory: a kernel reads and writes the fp32 sum over PCIe
-    summing = (acc - 1) * sum(4 * params[i].numel for i in host_sums) / link if acc > 1 else 0.0
+    # micro-batches summed into host memory: a kernel reads and writes the fp32 sum over PCIe;
+    # added on the engine's threads, they are taken as hidden behind the next micro-batch (the
+    # Llama-3-8B shape under 24 GB on an H100 took 7.81 s a step so, where its plan with the
+    # kernel expected 10.53 s, 3.45 s of it summing)
+    summing = 0.0
+    if acc > 1 and not adds_on_host(profile, plan):
+        summing = (acc - 1) * sum(4 * params[i].numel for i in host_sums) / link
 
     # The last backward hands the offloaded gradients over; the host engine updates them, in
     # forward order among those that have landed (after the global norm, when clipping); the
@@ -421,8 +436,9 @@ def bound_seconds(profile: Profile, plan: Plan) -> dict:
     the copies the plan makes. Up: the streamed blocks' weights twice a micro-batch (forward, then
     backward), the sums of micro-batches that a kernel reads back to add to, the updated weights
     of the offloaded parameters outside the streamed blocks. Down: each offloaded gradient, every
-    micro-batch where the sum is on the host (fp32), once a step where it is in VRAM (fp32) or
-    there is no accumulation (2 bytes an element: the least a gradient crosses in)."""
+    micro-batch where the sum is on the host (fp32 from the adding kernel, else as the gradient
+    crosses), once a step where it is in VRAM (fp32) or there is no accumulation (2 bytes an
+    element: the least a gradient crosses in)."""
     acc = profile.accumulation_steps
     params = profile.params
     gpu = acc * (profile.forward_s + profile.backward_s + recompute_seconds(profile, plan))
@@ -430,6 +446,7 @@ def bound_seconds(profile: Profile, plan: Plan) -> dict:
     streaming = set(streamed_blocks(profile, plan.streamed)) if plan.streamed else set()
     up = acc * 2 * sum(profile.blocks[j].weight_bytes for j in streaming)
     down = 0
+    on_host = adds_on_host(profile, plan)
     for i in range(plan.resident, len(params)):
         p = params[i]
         if p.block not in streaming:
@@ -438,6 +455,8 @@ def bound_seconds(profile: Profile, plan: Plan) -> dict:
             down += 2 * p.numel
         elif _vram_sum(profile, plan, i):
             down += 4 * p.numel
+        elif on_host:  # each micro-batch crosses to a landing buffer
+            down += 2 * acc * p.numel
         else:  # the first micro-batch lands in the sum, the others are added to it
             down += 4 * acc * p.numel
             up += 4 * (acc - 1) * p.numel

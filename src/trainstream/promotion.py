@@ -315,7 +315,7 @@ class Promotion:
             weight_bytes=from_shapes.param_bytes(self._model),
             fixed_activations=not deferred, streamed=self.streamed_count() if blocks else 0,
             profiled_resident=sum(1 for s in order if s.resident),
-            stream_depth=self._depth, recompute=pager is None or pager.recompute,
+            stream_depth=self._depth, recompute=pager is None or pager.recompute, add_on_host=self.add_on_host,
             host_room=None if math.isinf(room := self._engine.host_room(self._host_held()))
             else int(room) + self.paging_slot_bytes())
 
@@ -346,7 +346,8 @@ class Promotion:
             # Host-summed micro-batches: a kernel that reads the sums back over PCIe adds them, unless
             # weights stream up the same link (the Llama-3-8B shape under a 24 GB cap at accumulation
             # 8 on an H100: 9.91 s a step added by the kernel, 7.81 s by the engine's threads)
-            on_host = self.add_on_host if self.add_on_host is not None else plan.streamed > 0
+            profile = self.profile
+            on_host = planner.adds_on_host(profile, plan) if profile is not None else bool(self.add_on_host)
             self._engine.pipeline.device_accumulate = not on_host
         if pager is not None and pager.deferred:
             if plan.hooks or plan.recomputed or plan.light:
