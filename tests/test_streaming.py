@@ -333,17 +333,19 @@ def test_weights_over_the_budget_stream_from_the_first_step():
         train(base, "cpu", streamed=None, tuning=tuning, wrap_kwargs={"vram_budget": int(0.3 * weights)})
 
 
-def test_micro_batches_are_added_on_the_host_where_weights_stream():
+def test_micro_batches_are_added_on_the_host_where_bf16_weights_stream():
     # a kernel that reads each host sum back over PCIe would compete with the streamed weights
     torch.manual_seed(0)
     base = TinyLM(layers=6)
-    weights = sum(p.numel() * p.element_size() for p in base.parameters())
+    weights = sum(p.numel() * 2 for p in base.parameters())
 
-    def run(budget, **tuning):
-        return train(base, "cpu", streamed=None, acc=2, clip=1.0, tuning=trainstream.Tuning(placement="auto", **tuning),
-                     wrap_kwargs={"vram_budget": int(budget * weights)})
+    def run(budget, dtype=torch.bfloat16, **tuning):
+        return train(base, "cpu", streamed=None, dtype=dtype, acc=2, clip=1.0,
+                     tuning=trainstream.Tuning(placement="auto", **tuning), wrap_kwargs={"vram_budget": int(budget * weights)})
 
     streamed, by_kernel, kept = run(1.4), run(1.4, add_on_host=False), run(10)
+    fp32 = run(2.8, dtype=torch.float32)[1]  # (fp32 weights' gradients land in their sums: no landing buffers)
+    assert fp32.plan.streamed and fp32.engine.pipeline.device_accumulate
     assert streamed[1].plan.streamed and not kept[1].plan.streamed
     assert not streamed[1].engine.pipeline.device_accumulate
     assert by_kernel[1].engine.pipeline.device_accumulate and kept[1].engine.pipeline.device_accumulate

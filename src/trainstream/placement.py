@@ -105,7 +105,7 @@ class Profile:
     recompute: bool = True  # blocks may run their forward again (Tuning(recompute=False): never)
     # How micro-batches reach the host sums (Tuning.add_on_host): False, a kernel reading each sum
     # back over PCIe (as in profiles recorded before the choice); True, the engine's threads; None,
-    # the threads where the plan streams weights (adds_on_host)
+    # the planner's choice (adds_on_host)
     add_on_host: bool | None = False
 
 
@@ -339,8 +339,12 @@ def recompute_seconds(profile: Profile, plan: Plan) -> float:
 
 def adds_on_host(profile: Profile, plan: Plan) -> bool:
     """Whether the engine's threads add micro-batches into the host sums under `plan` (else a
-    kernel that reads each sum back over PCIe, which competes with streamed weights for the link)."""
-    return profile.add_on_host if profile.add_on_host is not None else plan.streamed > 0
+    kernel that reads each sum back over PCIe, which competes with streamed weights for the link).
+    Left to the planner, where weights stream and the offloaded ones are bf16 (whose landing
+    buffers exist anyway: an fp32 weight's gradients land in its sum)."""
+    if profile.add_on_host is not None:
+        return profile.add_on_host
+    return plan.streamed > 0 and all(p.element_size == 2 for p in profile.params[plan.resident:])
 
 
 def step_seconds(profile: Profile, plan: Plan) -> tuple[float, dict]:

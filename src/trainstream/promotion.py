@@ -66,7 +66,7 @@ class Promotion:
         self.placement = placement
         self.vram_budget = vram_budget
         self._vram_sums = accumulate_in_vram  # None: the planner's choice per parameter
-        self.add_on_host = add_on_host  # None: on the host where the plan streams weights
+        self.add_on_host = add_on_host  # None: the planner's choice (placement.adds_on_host)
         self._depth = prefetch_depth
         self._dp = data_parallel
         self._synchronize = synchronize
@@ -344,8 +344,8 @@ class Promotion:
             s.sum_in_vram = summable and (wanted or not s.host.has_accumulator) and not s.streamed
         if acc > 1:
             # Host-summed micro-batches: a kernel that reads the sums back over PCIe adds them, unless
-            # weights stream up the same link (the Llama-3-8B shape under a 24 GB cap at accumulation
-            # 8 on an H100: 9.91 s a step added by the kernel, 7.81 s by the engine's threads)
+            # bf16 weights stream up the same link (the Llama-3-8B shape under a 24 GB cap at
+            # accumulation 8 on an H100: 9.91 s a step added by the kernel, 7.81 s by the threads)
             profile = self.profile
             on_host = planner.adds_on_host(profile, plan) if profile is not None else bool(self.add_on_host)
             self._engine.pipeline.device_accumulate = not on_host

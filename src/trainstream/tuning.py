@@ -29,8 +29,8 @@ class Tuning:
     accumulate_in_vram: bool | None = None
     # With accumulation on a GPU, how micro-batches are added into the host sums: False, by a kernel
     # that reads and writes each sum over PCIe; True, copied down and added by the engine's threads.
-    # None: on the threads where the plan streams weights (the read-back then competes with them
-    # for the link), else by the kernel.
+    # None: on the threads where the plan streams bf16 weights (the read-back then competes with
+    # them for the link), else by the kernel.
     add_on_host: bool | None = None
     # Measure the global gradient norm without clipping (optimizer.last_grad_norm).
     track_grad_norm: bool = False
