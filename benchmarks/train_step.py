@@ -132,7 +132,8 @@ def run_mode(mode: str, args) -> dict:
         tuning = dict(recompute="pageonly" not in knobs, threads=threads, pack_gradients="fp32grads" not in knobs,
                       upload_update_terms="master" not in knobs, speculative_clipping="waitclip" not in knobs,
                       streamed_blocks=streams[0] if streams else None, light_recompute="light" in knobs,
-                      register_pinned="hostalloc" not in knobs, add_on_host=False if "gpuadd" in knobs else None)
+                      register_pinned="hostalloc" not in knobs,
+                      add_on_host=True if variant == "hostacc" else False if "gpuadd" in knobs else None)
         if nice is not None:
             tuning.update(engine_niceness=nice)
         if variant or "offload" in knobs:
@@ -152,8 +153,6 @@ def run_mode(mode: str, args) -> dict:
             os.sched_setaffinity(0, CPUS[:1])
         setup_s = time.perf_counter() - t0
         sync = opt.synchronize
-        if variant == "hostacc":  # micro-batches added by host threads
-            baselines.add_micro_batches_on_host(opt)
         baselines.gate_every_forward(opt, "everygate" in knobs)
     elif base == "torchao":
         from torchao.optim import CPUOffloadOptimizer  # skipped when missing
@@ -243,8 +242,8 @@ def run_mode(mode: str, args) -> dict:
         result["unique_graphs"] = counters["stats"]["unique_graphs"]
     if base == "trainstream":
         result["setup_s"] = setup_s
-        # the host engine's rate over the timed steps, beside the profiled one the plan used
-        # (engine busy time, any thread working, over the elements it updated)
+        # the host engine's rate over the timed steps, beside the profiled one the plan used (wall
+        # time while some thread ran an update, over the elements it updated)
         stats = opt.engine.pipeline.stats()
         updated = stats["updated_elements"] - engine_at_start["updated_elements"]
         if updated:

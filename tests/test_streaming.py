@@ -346,6 +346,10 @@ def test_micro_batches_are_added_on_the_host_where_bf16_weights_stream():
     streamed, by_kernel, kept = run(1.4), run(1.4, add_on_host=False), run(10)
     fp32 = run(2.8, dtype=torch.float32)[1]  # (fp32 weights' gradients land in their sums: no landing buffers)
     assert fp32.plan.streamed and fp32.engine.pipeline.device_accumulate
+    # the user's choice holds where no planner runs too
+    fixed = train(base, "cpu", streamed=None, dtype=torch.bfloat16, acc=2, steps=1,
+                  tuning=trainstream.Tuning(placement="offload", add_on_host=True))[1]
+    assert not fixed.engine.pipeline.device_accumulate
     assert streamed[1].plan.streamed and not kept[1].plan.streamed
     assert not streamed[1].engine.pipeline.device_accumulate
     assert by_kernel[1].engine.pipeline.device_accumulate and kept[1].engine.pipeline.device_accumulate

@@ -9,14 +9,6 @@ import time
 from trainstream.optimizer import OffloadedAdamW
 
 
-def add_micro_batches_on_host(optimizer: OffloadedAdamW) -> None:
-    """Micro-batches after the first are copied to host memory and added there by the engine's
-    threads, instead of added into the host accumulator by the copy itself: the baseline the
-    device-side addition is measured against."""
-    optimizer.promotion.add_on_host = True  # (what later plans keep)
-    optimizer.engine.pipeline.device_accumulate = False
-
-
 def gate_every_forward(optimizer: OffloadedAdamW, on: bool = True) -> None:
     """Keep the forward gates awake and make every one call the pipeline, even once the uploads
     have settled: the baseline for letting them stand down."""

@@ -66,7 +66,7 @@ class Promotion:
         self.placement = placement
         self.vram_budget = vram_budget
         self._vram_sums = accumulate_in_vram  # None: the planner's choice per parameter
-        self.add_on_host = add_on_host  # None: the planner's choice (placement.adds_on_host)
+        self._add_on_host = add_on_host  # None: the planner's choice (placement.adds_on_host)
         self._depth = prefetch_depth
         self._dp = data_parallel
         self._synchronize = synchronize
@@ -315,7 +315,7 @@ class Promotion:
             weight_bytes=from_shapes.param_bytes(self._model),
             fixed_activations=not deferred, streamed=self.streamed_count() if blocks else 0,
             profiled_resident=sum(1 for s in order if s.resident),
-            stream_depth=self._depth, recompute=pager is None or pager.recompute, add_on_host=self.add_on_host,
+            stream_depth=self._depth, recompute=pager is None or pager.recompute, add_on_host=self._add_on_host,
             host_room=None if math.isinf(room := self._engine.host_room(self._host_held()))
             else int(room) + self.paging_slot_bytes())
 
@@ -346,9 +346,7 @@ class Promotion:
             # Host-summed micro-batches: a kernel that reads the sums back over PCIe adds them, unless
             # bf16 weights stream up the same link (the Llama-3-8B shape under a 24 GB cap at
             # accumulation 8 on an H100: 9.91 s a step added by the kernel, 7.81 s by the threads)
-            profile = self.profile
-            on_host = planner.adds_on_host(profile, plan) if profile is not None else bool(self.add_on_host)
-            self._engine.pipeline.device_accumulate = not on_host
+            self._engine.pipeline.device_accumulate = not planner.adds_on_host(self.profile, plan)
         if pager is not None and pager.deferred:
             if plan.hooks or plan.recomputed or plan.light:
                 pager.reattach()

@@ -214,11 +214,12 @@ def wrap(
         streams = (torch.cuda.Stream(device, priority=-100), torch.cuda.Stream(device))
         pipeline = _C.cuda_pipeline(device.index, streams[0].cuda_stream, streams[1].cuda_stream, tuning.threads,
                                     tuning.isa, tuning.max_grad_bytes_in_flight, niceness=tuning.engine_niceness,
+                                    device_accumulate=tuning.add_on_host is not True,
                                     register_pinned=tuning.register_pinned)
     else:
         streams = None
         pipeline = _C.host_pipeline(tuning.threads, tuning.isa, tuning.max_grad_bytes_in_flight,
-                                    niceness=tuning.engine_niceness)
+                                    niceness=tuning.engine_niceness, device_accumulate=tuning.add_on_host is not True)
 
     pager = None
     if paging:
