@@ -75,6 +75,29 @@ def test_accelerate_leaves_the_offloaded_state_where_it_is(tmp_path, monkeypatch
     assert trainer.optimizer.device_placement is False  # (accelerate's wrapper around ours)
 
 
+def test_a_step_that_reads_only_the_loss_keeps_the_logits_in_bf16(tmp_path, monkeypatch):
+    # accelerate's mixed-precision wrapper copies the bf16 logits to fp32 after each forward: VRAM
+    # at the step's peak, for a loss that is fp32 already. Where the step reads only the model's
+    # own loss, the copy is skipped; where a loss is made from the outputs, it is kept.
+    from accelerate.utils.operations import ConvertOutputsToFp32
+    converted = []
+    original = ConvertOutputsToFp32.__call__
+    monkeypatch.setattr(ConvertOutputsToFp32, "__call__", lambda self, *a, **k: converted.append(torch.is_grad_enabled()) or original(self, *a, **k))
+    losses = {}
+    for name, options in (("own", {}), ("smoothed", {"label_smoothing_factor": 0.1})):
+        trainer = TrainStreamTrainer(model=tiny_llama(), args=arguments(tmp_path / name, max_steps=2, bf16=True, **options),
+                                     train_dataset=TokenData())
+        converted.clear()
+        trainer.train()
+        losses[name] = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+        # (2 steps of 2 micro-batches; the profiler's timing replay runs without autograd)
+        assert sum(converted) == (0 if name == "own" else 4), name
+    stock = transformers.Trainer(model=tiny_llama(), args=arguments(tmp_path / "stock", max_steps=2, bf16=True),
+                                 train_dataset=TokenData())
+    stock.train()
+    assert losses["own"] == pytest.approx([e["loss"] for e in stock.state.log_history if "loss" in e], rel=1e-5)
+
+
 def test_fp16_is_refused(tmp_path):
     args = arguments(tmp_path)
     args.fp16 = True  # set after construction: TrainingArguments itself rejects fp16 on a CPU
