@@ -151,9 +151,16 @@ def test_the_first_forward_offloads_what_its_batch_needs_room_for_and_trains_the
     assert all(s.resident for s in opt.slots.order)
     # a head that leaves room for half the state
     _with_head(monkeypatch, budget - planner.reserve_for(budget) - weights - state // 2)
+    # fp32 parameters it offloads send update terms through the VRAM staging buffer: sized for
+    # them before their first update (on a GPU, an update without it fails)
+    sized = []
+    ensure = opt.engine.ensure_staging
+    monkeypatch.setattr(opt.engine, "ensure_staging", lambda slots: sized.append(
+        (opt.promotion.plan is None, sum(s.offloaded for s in slots.order))) or ensure(slots))
     norms = train(model, opt, data, 1.0)
     first = opt.promotion.first_plan
     assert first is not None and first.fits and 0 < first.resident < len(opt.slots.order)
+    assert (True, len(opt.slots.order) - first.resident) in sized
     assert opt.profile.profiled_resident == first.resident  # the profiled steps ran in it
     assert opt.report()["placement"]["first_plan"]["resident"] == first.resident
     ref, ref_opt = make()

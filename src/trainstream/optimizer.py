@@ -230,9 +230,13 @@ class OffloadedAdamW(torch.optim.Optimizer):
         return slot
 
     def _tiers_changed(self) -> None:
-        """Parameters started streaming: fewer speculate, and their uploads are not the gates'."""
+        """Parameters went to host memory (the first plan's) or started streaming: fewer
+        speculate, their uploads are not the gates', and fp32 ones' update terms need the staging
+        buffer."""
         self.clipping.recount()
         self.gates.build()
+        if self.engine.pipeline.upload_terms:
+            self.engine.ensure_staging(self.slots)
 
     def _planned(self) -> None:
         """A plan is in force: what depends on where everything lives follows it."""
