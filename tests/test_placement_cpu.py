@@ -285,6 +285,20 @@ def assert_same_bits(a, a_opt, b, b_opt, what):
                     assert torch.equal(a_opt.state[p][key].cpu(), b_opt.state[q][key].cpu()), (what, n, key)
 
 
+def test_placements_keep_the_first_parameters_in_forward_order_whatever_the_groups_order():
+    # param_groups puts every norm after every matrix, as the Hugging Face Trainer's groups do: a
+    # placement of "the first in forward order" that followed the groups kept the matrices of the
+    # last blocks resident and offloaded the norms of the first ones (each gating its block)
+    model, opt = make()
+    assert [id(p) for g in opt.param_groups for p in g["params"] if p.requires_grad] != \
+        [id(p) for p in model.parameters() if p.requires_grad]
+    model, opt = trainstream.wrap(model, opt, tuning=trainstream.Tuning(placement=0.5))
+    assert [id(s.param) for s in opt.slots.order] == [id(p) for p in model.parameters() if p.requires_grad]
+    resident = [s.resident for s in opt.slots.order]
+    first_away = resident.index(False)
+    assert 0 < first_away and not any(resident[first_away:])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("acc,clip,autocast", [(1, None, False), (4, 1.0, False), (1, 1.0, True)],
                          ids=["plain", "clip+acc4", "clip+autocast"])

@@ -34,7 +34,7 @@ from trainstream.gates import ForwardGates
 from trainstream.host_adamw import DTYPE_NAMES
 from trainstream.promotion import Promotion
 from trainstream.resident import ResidentAdamW
-from trainstream.slots import Engine, Slot, Slots, Window, hyperparameters, update_args
+from trainstream.slots import Engine, Slot, Slots, Window, forward_order, hyperparameters, update_args
 from trainstream.tuning import Tuning
 
 log = logging.getLogger("trainstream")
@@ -159,6 +159,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
                 if p.requires_grad and id(p) not in seen:
                     seen.add(id(p))
                     trainable.append((p, group))
+        trainable.sort(key=lambda entry, position=forward_order(model): position(entry[0]))  # (as wrap() orders them)
         # (under placement "auto", the first plan's start: wrap() says how many)
         resident_count = resident_at_start(placement, len(trainable)) if residents is None else residents
         # host accumulators: for every parameter that may sum its micro-batches on the host (under

@@ -124,6 +124,16 @@ class Window:
     backward_tasks: set = field(default_factory=set)  # autograd graph tasks with our end-callback queued
 
 
+def forward_order(model: torch.nn.Module):
+    """A sort key putting parameters in the order `model` registers them, which is its forward
+    order for the usual models, where the optimizer's groups may not be (the Hugging Face
+    Trainer's put every norm weight after all the matrices): the placements keep "the first in
+    forward order" resident, and the planner reads blocks off that order. Parameters the model
+    does not hold go last, in the order given (the sort is stable)."""
+    position = {id(p): k for k, p in enumerate(model.parameters())}
+    return lambda p: position.get(id(p), len(position))
+
+
 def hyperparameters(slot: Slot, grad_scale: float) -> dict:
     """The host engine's arguments for this slot's next AdamW update, read from its param group
     now (schedulers change them between steps)."""

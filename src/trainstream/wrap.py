@@ -24,7 +24,7 @@ from trainstream.host_adamw import DTYPE_NAMES
 from trainstream.host_budget import HostBudget, read_host_budget
 from trainstream.optimizer import OffloadedAdamW, held_by_live_optimizers, resident_at_start, weakly, wrapped_by
 from trainstream.placement import last_streamable, reserve_for, share_or_floor, weights_on_device
-from trainstream.slots import Engine, HeldElsewhere
+from trainstream.slots import Engine, HeldElsewhere, forward_order
 from trainstream.streaming import shared_outside
 from trainstream.tuning import Tuning
 from trainstream.units import parse_bytes
@@ -130,7 +130,8 @@ def wrap(
     if not isinstance(tuning, Tuning):
         raise TypeError(f"tuning must be a trainstream.Tuning, got {type(tuning).__name__}")
 
-    trainable = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+    trainable = sorted((p for g in optimizer.param_groups for p in g["params"] if p.requires_grad),
+                       key=forward_order(model))
     if not trainable:
         raise ValueError("the optimizer has no trainable parameters (requires_grad=True)")
     check_not_distributed(model, trainable)
