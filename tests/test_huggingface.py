@@ -80,18 +80,22 @@ def test_a_step_that_reads_only_the_loss_keeps_the_logits_in_bf16(tmp_path, monk
     # at the step's peak, for a loss that is fp32 already. Where the step reads only the model's
     # own loss, the copy is skipped; where a loss is made from the outputs, it is kept.
     from accelerate.utils.operations import ConvertOutputsToFp32
-    converted = []
+    converted = []  # (with autograd on or off: the profiler's timing replay runs without)
     original = ConvertOutputsToFp32.__call__
-    monkeypatch.setattr(ConvertOutputsToFp32, "__call__", lambda self, *a, **k: converted.append(torch.is_grad_enabled()) or original(self, *a, **k))
+
+    def counted(self, *args, **kwargs):
+        converted.append(torch.is_grad_enabled())
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(ConvertOutputsToFp32, "__call__", counted)
     losses = {}
     for name, options in (("own", {}), ("smoothed", {"label_smoothing_factor": 0.1})):
-        trainer = TrainStreamTrainer(model=tiny_llama(), args=arguments(tmp_path / name, max_steps=2, bf16=True, **options),
-                                     train_dataset=TokenData())
+        args = arguments(tmp_path / name, max_steps=2, bf16=True, **options)
+        trainer = TrainStreamTrainer(model=tiny_llama(), args=args, train_dataset=TokenData())
         converted.clear()
         trainer.train()
         losses[name] = [e["loss"] for e in trainer.state.log_history if "loss" in e]
-        # (2 steps of 2 micro-batches; the profiler's timing replay runs without autograd)
-        assert sum(converted) == (0 if name == "own" else 4), name
+        assert sum(converted) == (0 if name == "own" else 4), name  # (2 steps of 2 micro-batches)
     stock = transformers.Trainer(model=tiny_llama(), args=arguments(tmp_path / "stock", max_steps=2, bf16=True),
                                  train_dataset=TokenData())
     stock.train()

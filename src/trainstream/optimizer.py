@@ -159,7 +159,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
                 if p.requires_grad and id(p) not in seen:
                     seen.add(id(p))
                     trainable.append((p, group))
-        trainable.sort(key=lambda entry, position=forward_order(model): position(entry[0]))  # (as wrap() orders them)
+        position = forward_order(model)
+        trainable.sort(key=lambda entry: position(entry[0]))  # (as wrap() orders them)
         # (under placement "auto", the first plan's start: wrap() says how many)
         resident_count = resident_at_start(placement, len(trainable)) if residents is None else residents
         # host accumulators: for every parameter that may sum its micro-batches on the host (under

@@ -114,8 +114,8 @@ class TrainStreamTrainer(Trainer):
     def compute_loss(self, model, inputs, return_outputs: bool = False, *args: Any, **kwargs: Any):
         # A training step that reads only the model's own loss leaves its logits in bf16: the
         # fp32 copy would take VRAM the plan could keep state in, where a cap binds.
-        own_loss = model.training and not return_outputs and self.compute_loss_func is None \
-            and self.label_smoother is None
+        own_loss = (model.training and not return_outputs and self.compute_loss_func is None
+                    and self.label_smoother is None)
         with _outputs_left_in_autocast_dtype(model) if own_loss else contextlib.nullcontext():
             return super().compute_loss(model, inputs, return_outputs, *args, **kwargs)
 
