@@ -34,7 +34,7 @@ from trainstream.gates import ForwardGates
 from trainstream.host_adamw import DTYPE_NAMES
 from trainstream.promotion import Promotion
 from trainstream.resident import ResidentAdamW
-from trainstream.slots import Engine, Slot, Slots, Window, forward_order, hyperparameters, update_args
+from trainstream.slots import Engine, Slot, Slots, Window, hyperparameters, trainable_in_forward_order, update_args
 from trainstream.tuning import Tuning
 
 log = logging.getLogger("trainstream")
@@ -153,14 +153,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         acc, engine, pipeline = self.slots.accumulation_steps, self.engine, self.engine.pipeline
         placement = self.promotion.placement
         _forget_dead_owners()
-        trainable, seen = [], set()
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.requires_grad and id(p) not in seen:
-                    seen.add(id(p))
-                    trainable.append((p, group))
-        position = forward_order(model)
-        trainable.sort(key=lambda entry: position(entry[0]))  # (as wrap() orders them)
+        trainable = trainable_in_forward_order(model, self.param_groups)  # (as wrap() orders them)
         # (under placement "auto", the first plan's start: wrap() says how many)
         resident_count = resident_at_start(placement, len(trainable)) if residents is None else residents
         # host accumulators: for every parameter that may sum its micro-batches on the host (under

@@ -124,14 +124,20 @@ class Window:
     backward_tasks: set = field(default_factory=set)  # autograd graph tasks with our end-callback queued
 
 
-def forward_order(model: torch.nn.Module):
-    """A sort key putting parameters in the order `model` registers them, which is its forward
-    order for the usual models, where the optimizer's groups may not be (the Hugging Face
-    Trainer's put every norm weight after all the matrices): the placements keep "the first in
-    forward order" resident, and the planner reads blocks off that order. Parameters the model
-    does not hold go last, in the order given (the sort is stable)."""
+def trainable_in_forward_order(model: torch.nn.Module, param_groups: list[dict]) -> list[tuple]:
+    """The optimizer's trainable parameters, each once with its group, in the order `model`
+    registers them: its forward order for the usual models, where the optimizer's groups may not
+    be (the Hugging Face Trainer's put every norm weight after all the matrices). The placements
+    keep "the first in forward order" resident, and the planner reads blocks off that order.
+    Parameters the model does not hold go last, in the groups' order."""
     position = {id(p): k for k, p in enumerate(model.parameters())}
-    return lambda p: position.get(id(p), len(position))
+    seen, trainable = set(), []
+    for group in param_groups:
+        for p in group["params"]:
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                trainable.append((p, group))
+    return sorted(trainable, key=lambda entry: position.get(id(entry[0]), len(position)))
 
 
 def hyperparameters(slot: Slot, grad_scale: float) -> dict:

@@ -24,7 +24,7 @@ from trainstream.host_adamw import DTYPE_NAMES
 from trainstream.host_budget import HostBudget, read_host_budget
 from trainstream.optimizer import OffloadedAdamW, held_by_live_optimizers, resident_at_start, weakly, wrapped_by
 from trainstream.placement import last_streamable, reserve_for, share_or_floor, weights_on_device
-from trainstream.slots import Engine, HeldElsewhere, forward_order
+from trainstream.slots import Engine, HeldElsewhere, trainable_in_forward_order
 from trainstream.streaming import shared_outside
 from trainstream.tuning import Tuning
 from trainstream.units import parse_bytes
@@ -130,8 +130,7 @@ def wrap(
     if not isinstance(tuning, Tuning):
         raise TypeError(f"tuning must be a trainstream.Tuning, got {type(tuning).__name__}")
 
-    trainable = sorted((p for g in optimizer.param_groups for p in g["params"] if p.requires_grad),
-                       key=forward_order(model))
+    trainable = [p for p, _ in trainable_in_forward_order(model, optimizer.param_groups)]
     if not trainable:
         raise ValueError("the optimizer has no trainable parameters (requires_grad=True)")
     check_not_distributed(model, trainable)
@@ -186,15 +185,14 @@ def wrap(
     if device.type not in ("cuda", "cpu"):
         raise UnsupportedSetupError(f"parameters on {device} are not supported (CUDA or CPU only)")
     host_accumulator = accumulation_steps > 1 and tuning.accumulate_in_vram is not True and ddp is None
-    unique = list({id(p): p for p in trainable}.values())
     elsewhere = left_behind(model, device)  # (before either budget is read)
     host = read_host_budget(host_budget)
     if sharded:
-        _check_host_memory([local_shard(p) for p in unique], host_accumulator, host)
+        _check_host_memory([local_shard(p) for p in trainable], host_accumulator, host)
     elif ddp is not None:
-        owners = partition([p.numel() for p in unique], torch.distributed.get_world_size(ddp.process_group))
+        owners = partition([p.numel() for p in trainable], torch.distributed.get_world_size(ddp.process_group))
         rank = torch.distributed.get_rank(ddp.process_group)
-        _check_host_memory([p for p, owner in zip(unique, owners) if owner == rank], host_accumulator, host)
+        _check_host_memory([p for p, owner in zip(trainable, owners) if owner == rank], host_accumulator, host)
     auto = tuning.placement == "auto"
     budget = None if vram_budget is None else parse_bytes(vram_budget)
     if device.type == "cuda":
@@ -232,12 +230,12 @@ def wrap(
         streamed = _streamed_to_fit(model, (stream_from or []) if ddp is None else [], budget, tuning.prefetch_depth)
     else:
         streamed = _streamed_blocks(model, tuning.streamed_blocks, stream_from, ddp is not None or sharded)
-    residents = resident_at_start(tuning.placement, len(unique))
+    residents = resident_at_start(tuning.placement, len(trainable))
     if auto and budget is not None and ddp is None and not sharded:  # the first plan's start: first_plan.py
-        residents = _start_residents(model, unique, streamed, budget, int(accumulation_steps), tuning.prefetch_depth,
+        residents = _start_residents(model, trainable, streamed, budget, int(accumulation_steps), tuning.prefetch_depth,
                                      optimizer)
     if ddp is None and not sharded:  # (before the optimizer pins any of it)
-        _check_host_memory(unique[residents:], host_accumulator, host, streamed, optimizer)
+        _check_host_memory(trainable[residents:], host_accumulator, host, streamed, optimizer)
     if on_host:
         _place(model, device, streamed)
     data_parallel = DataParallel(ddp, owners) if ddp is not None else None
