@@ -248,6 +248,10 @@ def run_mode(mode: str, args) -> dict:
         updated = stats["updated_elements"] - engine_at_start["updated_elements"]
         if updated:
             result["host_ns_per_param_timed"] = 1e9 * (stats["busy_seconds"] - engine_at_start["busy_seconds"]) / updated
+        # a step's wall time some thread added micro-batches into host sums, and the time its
+        # gradients waited to start downloading (the backward's hooks wait so)
+        for key in ("adding_seconds", "landing_wait_seconds"):
+            result[f"host_{key.removesuffix('_seconds')}_s_per_step"] = (stats[key] - engine_at_start[key]) / args.steps
         result["report"] = opt.report()
         print(opt.describe(), flush=True)
         opt.remove_hooks()
@@ -335,6 +339,10 @@ def main(argv=None) -> int:
             continue
         ratio = f"{r['step_s'] / base:.2f}x" if base else "-"
         print(f"{r['mode']:<24}{r['params'] / 1e9:>9.2f}B{r['step_s']:>9.3f}{ratio:>8}{r['peak_vram_GB']:>14.2f}{r['loss']:>8.3f}")
+        if "host_adding_s_per_step" in r:
+            print(f"{'':<24}host a step: {r['host_adding_s_per_step']:.3f} s adding micro-batches, gradients "
+                  f"waited {r['host_landing_wait_s_per_step']:.3f} s to download; updates at "
+                  f"{r.get('host_ns_per_param_timed', float('nan')):.3f} ns a parameter")
     summary = medians(results)
     if any(m["runs"] > 1 for m in summary):
         print(f"\n{'mode':<24}{'runs':>5}{'median s':>10}{'fastest':>9}{'slowest':>9}{'vs 1st':>8}")

@@ -197,8 +197,12 @@ void bind_pipeline(py::module_& m) {
              py::dict d;
              d["busy_seconds"] = s.busy_seconds;
              d["updated_elements"] = s.updated_elements;
+             d["adding_seconds"] = s.adding_seconds;
+             d["landing_wait_seconds"] = s.landing_wait_seconds;
              return d;
-           }, "Wall seconds the engine's threads ran chunks, and elements updated, since it started.")
+           }, "Since it started: wall seconds some engine thread ran an update (busy_seconds) and the "
+              "elements updated; wall seconds some thread added a micro-batch into a host sum; seconds "
+              "gradients waited to start their download (for queued jobs or the download budget).")
       .def_property_readonly("downloading_bytes", &OffloadPipeline::downloading_bytes)
       .def("add_param", [](OffloadPipeline& o, std::size_t numel, const std::string& dtype, bool accumulate,
                            std::int64_t priority, bool with_state, const std::string& moments,

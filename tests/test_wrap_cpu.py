@@ -443,6 +443,21 @@ def test_accumulate_in_vram_keeps_the_sum_on_the_device_until_the_last_backward(
     assert all(g.abs().sum() > 0 for g in kept.values())
 
 
+@pytest.mark.parametrize("on_host", [True, False])
+def test_the_engine_counts_the_time_it_spends_adding_micro_batches(on_host):
+    """Tuning(add_on_host=True): the engine's threads add micro-batches 2 and 3 into the host sums,
+    and time it; else the transfer adds them, and no thread does."""
+    model, opt = make(freeze_first_block=False)
+    model, opt = trainstream.wrap(model, opt, accumulation_steps=3,
+                                  tuning=trainstream.Tuning(add_on_host=on_host, placement="offload"))
+    before = opt.engine.pipeline.stats()
+    train(model, opt, batches(2, 3), wrapped=True)
+    after = opt.engine.pipeline.stats()
+    assert (after["adding_seconds"] > before["adding_seconds"]) == on_host
+    assert after["busy_seconds"] > before["busy_seconds"]
+    assert 0 <= after["landing_wait_seconds"] < 60
+
+
 def test_accumulate_in_vram_refuses_bf16_weights():
     model, opt = make(dtype=torch.bfloat16)
     with pytest.raises(trainstream.UnsupportedSetupError, match="fp32 weights"):

@@ -276,10 +276,15 @@ class OffloadPipeline {
   std::size_t pending() const;
   // How fast the engine updates, for the placement planner: wall seconds during which at least one
   // thread ran a chunk of an update (jobs that only add micro-batches or measure are left out), and
-  // elements updated, since construction.
+  // elements updated, since construction. Beside them, where an accumulation window's time goes on
+  // the host: wall seconds during which some thread added a micro-batch into a host sum (in a job
+  // with no update), and seconds land_gradient() waited before its download could start (for the
+  // parameter's queued jobs, or for room in the download budget): the backward's hooks wait so.
   struct Stats {
     double busy_seconds = 0;
     std::uint64_t updated_elements = 0;
+    double adding_seconds = 0;
+    double landing_wait_seconds = 0;
   };
   Stats stats() const;
 
@@ -427,8 +432,8 @@ class OffloadPipeline {
   std::deque<std::unique_ptr<Task>> queue_;    // not started
   std::deque<std::unique_ptr<Task>> running_;  // started, in start order
   std::size_t in_flight_ = 0;
-  std::size_t running_update_chunks_ = 0;
-  std::chrono::steady_clock::time_point busy_since_;
+  std::size_t running_update_chunks_ = 0, running_add_chunks_ = 0;
+  std::chrono::steady_clock::time_point busy_since_, adding_since_;
   Stats stats_;
   // Gradient landing (and land_scale's verdicts):
   std::size_t downloading_bytes_ = 0;

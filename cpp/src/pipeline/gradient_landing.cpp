@@ -1,4 +1,5 @@
 // Gradient landing: each gradient's download to host memory, by the route it takes, under the budget.
+#include <chrono>
 #include <utility>
 
 #include "trainstream/offload_pipeline.hpp"
@@ -35,6 +36,7 @@ void OffloadPipeline::land_gradient(const std::shared_ptr<HostParam>& p, std::ui
   const std::size_t bytes = p->weight_bytes();
   {
     std::unique_lock<std::mutex> lock(mutex_);
+    const auto waiting_since = std::chrono::steady_clock::now();
     // Queued jobs may still read the landing buffer or read/write the accumulator (the previous
     // window's norm and update), both of which this download is about to overwrite or add to.
     // Within a device-accumulated window no job is queued, so this returns at once.
@@ -46,6 +48,7 @@ void OffloadPipeline::land_gradient(const std::shared_ptr<HostParam>& p, std::ui
       return downloading_bytes_ == 0 || downloading_bytes_ + bytes <= max_download_bytes_ || error_;
     });
     rethrow_locked();
+    stats_.landing_wait_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - waiting_since).count();
     downloading_bytes_ += bytes;
     ++p->downloads_;
   }

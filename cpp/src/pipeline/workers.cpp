@@ -31,8 +31,9 @@ void OffloadPipeline::worker_loop() {
     });
     if (!task) return;  // stopping, nothing left
     // (the rate the planner reads is the updates': a job that only adds or measures is not timed)
-    const bool timed = task->job.update;
+    const bool timed = task->job.update, adding = task->job.accumulate && !task->job.update;
     if (timed && running_update_chunks_++ == 0) busy_since_ = std::chrono::steady_clock::now();
+    if (adding && running_add_chunks_++ == 0) adding_since_ = std::chrono::steady_clock::now();
     lock.unlock();
     bool ok = true;
     try {
@@ -44,6 +45,9 @@ void OffloadPipeline::worker_loop() {
     lock.lock();
     if (timed && --running_update_chunks_ == 0) {
       stats_.busy_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - busy_since_).count();
+    }
+    if (adding && --running_add_chunks_ == 0) {
+      stats_.adding_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - adding_since_).count();
     }
     if (!ok) task->skip = true;
     if (++task->chunks_done < task->chunks) continue;
