@@ -252,6 +252,9 @@ def run_mode(mode: str, args) -> dict:
         # gradients waited to start downloading (the backward's hooks wait so)
         for key in ("adding_seconds", "landing_wait_seconds"):
             result[f"host_{key.removesuffix('_seconds')}_s_per_step"] = (stats[key] - engine_at_start[key]) / args.steps
+        added = stats["added_elements"] - engine_at_start["added_elements"]
+        if added:
+            result["host_ns_per_element_added"] = 1e9 * (stats["adding_seconds"] - engine_at_start["adding_seconds"]) / added
         result["report"] = opt.report()
         print(opt.describe(), flush=True)
         opt.remove_hooks()

@@ -198,10 +198,11 @@ void bind_pipeline(py::module_& m) {
              d["busy_seconds"] = s.busy_seconds;
              d["updated_elements"] = s.updated_elements;
              d["adding_seconds"] = s.adding_seconds;
+             d["added_elements"] = s.added_elements;
              d["landing_wait_seconds"] = s.landing_wait_seconds;
              return d;
            }, "Since it started: wall seconds some engine thread ran an update (busy_seconds) and the "
-              "elements updated; wall seconds some thread added a micro-batch into a host sum; seconds "
+              "elements updated; wall seconds some thread added a micro-batch into a host sum and the elements added; seconds "
               "gradients waited to start their download (for queued jobs or the download budget).")
       .def_property_readonly("downloading_bytes", &OffloadPipeline::downloading_bytes)
       .def("add_param", [](OffloadPipeline& o, std::size_t numel, const std::string& dtype, bool accumulate,

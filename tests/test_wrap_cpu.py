@@ -445,8 +445,8 @@ def test_accumulate_in_vram_keeps_the_sum_on_the_device_until_the_last_backward(
 
 @pytest.mark.parametrize("on_host", [True, False])
 def test_the_engine_counts_the_time_it_spends_adding_micro_batches(on_host):
-    """Tuning(add_on_host=True): the engine's threads add micro-batches 2 and 3 into the host sums,
-    and time it; else the transfer adds them, and no thread does."""
+    """Tuning(add_on_host=True): the engine's threads add the later micro-batches into the host
+    sums, and time it; else the transfer adds them, and no thread does."""
     model, opt = make(freeze_first_block=False)
     model, opt = trainstream.wrap(model, opt, accumulation_steps=3,
                                   tuning=trainstream.Tuning(add_on_host=on_host, placement="offload"))
@@ -454,6 +454,9 @@ def test_the_engine_counts_the_time_it_spends_adding_micro_batches(on_host):
     train(model, opt, batches(2, 3), wrapped=True)
     after = opt.engine.pipeline.stats()
     assert (after["adding_seconds"] > before["adding_seconds"]) == on_host
+    # micro-batch 2 of each of the two windows (without clipping, the third is added by its update's job)
+    added = 2 * sum(p.numel() for p in model.parameters())
+    assert after["added_elements"] - before["added_elements"] == (added if on_host else 0)
     assert after["busy_seconds"] > before["busy_seconds"]
     assert 0 <= after["landing_wait_seconds"] < 60
 

@@ -278,12 +278,13 @@ class OffloadPipeline {
   // thread ran a chunk of an update (jobs that only add micro-batches or measure are left out), and
   // elements updated, since construction. Beside them, where an accumulation window's time goes on
   // the host: wall seconds during which some thread added a micro-batch into a host sum (in a job
-  // with no update), and seconds land_gradient() waited before its download could start (for the
+  // with no update) and the elements added so, and seconds land_gradient() waited before its download could start (for the
   // parameter's queued jobs, or for room in the download budget): the backward's hooks wait so.
   struct Stats {
     double busy_seconds = 0;
     std::uint64_t updated_elements = 0;
     double adding_seconds = 0;
+    std::uint64_t added_elements = 0;
     double landing_wait_seconds = 0;
   };
   Stats stats() const;

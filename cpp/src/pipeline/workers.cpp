@@ -64,6 +64,7 @@ void OffloadPipeline::worker_loop() {
     }
     lock.lock();
     if (done->job.update && !done->skip) stats_.updated_elements += done->param->numel;
+    if (done->job.accumulate && !done->job.update && !done->skip) stats_.added_elements += done->param->numel;
     if (bytes) track_upload_locked(done->param, bytes);
     ++done->param->done_;
     --in_flight_;
