@@ -170,6 +170,33 @@ def test_the_first_forward_offloads_what_its_batch_needs_room_for_and_trains_the
     assert_same_bits(model, opt, ref, ref_opt, "the first plan's placement")
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_the_profiled_steps_add_micro_batches_where_the_plan_will_and_measure_the_threads_rate(monkeypatch, dtype):
+    """A first plan that streams bf16 weights has the engine's threads add the micro-batches, as
+    the final plan will (placement.adds_on_host), so that the profile measures their rate; fp32
+    weights keep the adding kernel."""
+    data = batches(4, 2)
+    model, opt = make(dtype)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    budget = 8 * weights
+    model, opt = trainstream.wrap(model, opt, max_grad_norm=1.0, accumulation_steps=2, vram_budget=budget)
+    _with_head(monkeypatch, budget - planner.reserve_for(budget) - weights * 9 // 10)  # some weights must go
+    norms = train(model, opt, data, 1.0)
+    first = opt.promotion.first_plan
+    assert first.fits and first.resident == 0 and first.streamed > 0
+    bf16 = dtype == torch.bfloat16
+    assert opt.engine.pipeline.device_accumulate != bf16
+    assert (opt.profile.host_add_s_per_element is not None) == bf16
+    if bf16:
+        assert opt.profile.host_add_s_per_element > 0
+        assert planner.bound_seconds(opt.profile, opt.plan)["host_adds_s"] > 0
+    ref, ref_opt = make(dtype)
+    ref, ref_opt = trainstream.wrap(ref, ref_opt, max_grad_norm=1.0, accumulation_steps=2,
+                                    tuning=trainstream.Tuning(placement="offload", track_grad_norm=True))
+    assert train(ref, ref_opt, data, 1.0) == norms
+    assert_same_bits(model, opt, ref, ref_opt, "micro-batches added by the threads")
+
+
 @pytest.mark.parametrize("room", [True, False], ids=["room-to-spare", "tight"])
 def test_the_profiled_steps_page_nothing_where_every_block_kept_fits_with_room_to_spare(monkeypatch, room):
     """The first plan's estimate with every block's activations kept: under 80% of the budget less

@@ -691,6 +691,30 @@ def test_a_recorded_profile_reads_back_and_bounds_a_step():
     assert planner.step_seconds(replace(threads, add_on_host=False), plan)[1]["host_summing_s"] > 0
 
 
+def test_micro_batches_the_threads_cannot_add_in_time_hold_the_step_and_count_in_its_bound():
+    """Added on the engine's threads at a measured rate: within a micro-batch they cost nothing,
+    past it they hold the next one back; the bound counts them as host work beside the updates."""
+    profile = made_up_profile(acc=8, dtype_bytes=2)
+    profile = replace(profile, add_on_host=True)
+    plan = planner.Plan(resident=0, streamed=2)
+    elements = sum(p.numel for p in profile.params)
+    unmeasured = planner.bound_seconds(profile, plan)
+    assert unmeasured["host_adds_s"] == 0.0 and planner.step_seconds(profile, plan)[1]["host_summing_s"] == 0.0
+    hidden = replace(profile, host_add_s_per_element=1e-12)  # 0.4 ms a micro-batch: hidden
+    assert planner.step_seconds(hidden, plan)[1]["host_summing_s"] == 0.0
+    slow = replace(profile, host_add_s_per_element=1e-9)  # 0.4 s a micro-batch against 75 ms
+    micro = profile.forward_s + profile.backward_s + planner.recompute_seconds(profile, plan)
+    total, terms = planner.step_seconds(slow, plan)
+    assert terms["host_summing_s"] > 7 * (elements * 1e-9 - micro - 0.01)
+    assert total > planner.step_seconds(profile, plan)[0] + terms["host_summing_s"] - 1e-9
+    bound = planner.bound_seconds(slow, plan)
+    assert bound["host_adds_s"] == pytest.approx(7 * elements * 1e-9)
+    assert bound["host_s"] == pytest.approx(bound["host_updates_s"] + bound["host_adds_s"])
+    assert bound["bound_s"] == bound["host_s"]
+    # a kernel adding them (Tuning(add_on_host=False)) leaves the threads nothing to add
+    assert planner.bound_seconds(replace(slow, add_on_host=False), plan)["host_adds_s"] == 0.0
+
+
 def test_blocks_that_write_into_their_matmuls_outputs_are_not_offered_light_recompute():
     class ReluNet(torch.nn.Module):  # an in-place ReLU after each block's first layer
         def __init__(self):

@@ -107,6 +107,9 @@ class Profile:
     # back over PCIe (as in profiles recorded before the choice); True, the engine's threads; None,
     # the planner's choice (adds_on_host)
     add_on_host: bool | None = False
+    # The engine's threads' time adding one micro-batch's element into its host sum, all threads
+    # at once: measured where the profiled steps added on the host, else None (not counted)
+    host_add_s_per_element: float | None = None
 
 
 @dataclass
@@ -342,9 +345,25 @@ def adds_on_host(profile: Profile, plan: Plan) -> bool:
     kernel that reads each sum back over PCIe, which competes with streamed weights for the link).
     Left to the planner, where weights stream and the offloaded ones are bf16 (whose landing
     buffers exist anyway: an fp32 weight's gradients land in its sum)."""
-    if profile.add_on_host is not None:
-        return profile.add_on_host
-    return plan.streamed > 0 and all(p.element_size == 2 for p in profile.params[plan.resident:])
+    return adds_on_host_by_default(profile.add_on_host, plan.streamed,
+                                   [p.element_size for p in profile.params[plan.resident:]])
+
+
+def adds_on_host_by_default(add_on_host: bool | None, streamed: int, offloaded_sizes: list[int]) -> bool:
+    """adds_on_host's rule, from the figures a first plan has too: the user's Tuning.add_on_host,
+    else whether weights stream and every offloaded parameter is bf16."""
+    if add_on_host is not None:
+        return add_on_host
+    return streamed > 0 and all(size == 2 for size in offloaded_sizes)
+
+
+def host_adding_seconds(profile: Profile, plan: Plan) -> float:
+    """The engine's threads' time adding one micro-batch into the host sums under `plan` (where
+    they add, and their rate was measured; else 0)."""
+    if profile.accumulation_steps == 1 or profile.host_add_s_per_element is None or not adds_on_host(profile, plan):
+        return 0.0
+    summed = [p.numel for i, p in enumerate(profile.params[plan.resident:], plan.resident) if not _vram_sum(profile, plan, i)]
+    return profile.host_add_s_per_element * sum(summed)
 
 
 def step_seconds(profile: Profile, plan: Plan) -> tuple[float, dict]:
@@ -364,13 +383,17 @@ def step_seconds(profile: Profile, plan: Plan) -> tuple[float, dict]:
     offloaded = list(range(plan.resident, len(params)))
     link = min(profile.d2h_bytes_per_s, profile.h2d_bytes_per_s)
     host_sums = [i for i in offloaded if not _vram_sum(profile, plan, i)]
-    # micro-batches summed into host memory: a kernel reads and writes the fp32 sum over PCIe;
-    # added on the engine's threads, they are taken as hidden behind the next micro-batch (the
-    # Llama-3-8B shape under 24 GB on an H100 took 7.81 s a step so, where its plan with the
-    # kernel expected 10.53 s, 3.45 s of it summing)
+    # micro-batches summed into host memory: a kernel reads and writes the fp32 sum over PCIe (the
+    # Llama-3-8B shape under 24 GB on an H100 took 10.53 s a step so, 3.45 s of it summing, where
+    # the engine's threads added them in 7.81 s); the threads hide their adds behind the next
+    # micro-batch, up to its length
+    # added on the threads, what they cannot finish within a micro-batch holds the next one's
+    # gradients back (memory bandwidth: they read and write each fp32 sum)
     summing = 0.0
     if acc > 1 and not adds_on_host(profile, plan):
         summing = (acc - 1) * sum(4 * params[i].numel for i in host_sums) / link
+    elif acc > 1:
+        summing = (acc - 1) * max(0.0, host_adding_seconds(profile, plan) - micro)
 
     # The last backward hands the offloaded gradients over; the host engine updates them, in
     # forward order among those that have landed (after the global norm, when clipping); the
@@ -436,7 +459,8 @@ def step_seconds(profile: Profile, plan: Plan) -> tuple[float, dict]:
 
 def bound_seconds(profile: Profile, plan: Plan) -> dict:
     """What a step under `plan` cannot beat, each part alone: the GPU's forwards, backwards and
-    recomputes; the host's updates of the offloaded parameters; and PCIe, the busier direction of
+    recomputes; the host engine's work, the offloaded parameters' updates and the micro-batches
+    its threads add into host sums (where their rate was measured); and PCIe, the busier direction of
     the copies the plan makes. Up: the streamed blocks' weights twice a micro-batch (forward, then
     backward), the sums of micro-batches that a kernel reads back to add to, the updated weights
     of the offloaded parameters outside the streamed blocks. Down: each offloaded gradient, every
@@ -446,7 +470,9 @@ def bound_seconds(profile: Profile, plan: Plan) -> dict:
     acc = profile.accumulation_steps
     params = profile.params
     gpu = acc * (profile.forward_s + profile.backward_s + recompute_seconds(profile, plan))
-    host = profile.host_s_per_param * sum(p.numel for p in params[plan.resident:])
+    updates = profile.host_s_per_param * sum(p.numel for p in params[plan.resident:])
+    adds = (acc - 1) * host_adding_seconds(profile, plan)
+    host = updates + adds
     streaming = set(streamed_blocks(profile, plan.streamed)) if plan.streamed else set()
     up = acc * 2 * sum(profile.blocks[j].weight_bytes for j in streaming)
     down = 0
@@ -466,8 +492,8 @@ def bound_seconds(profile: Profile, plan: Plan) -> dict:
             up += 4 * (acc - 1) * p.numel
     h2d, d2h = up / profile.h2d_bytes_per_s, down / profile.d2h_bytes_per_s
     copies = max(h2d, d2h)
-    return {"gpu_s": gpu, "host_s": host, "copies_s": copies, "h2d_s": h2d, "d2h_s": d2h,
-            "bound_s": max(gpu, host, copies)}
+    return {"gpu_s": gpu, "host_s": host, "host_updates_s": updates, "host_adds_s": adds, "copies_s": copies,
+            "h2d_s": h2d, "d2h_s": d2h, "bound_s": max(gpu, host, copies)}
 
 
 def profile_from(figures: dict) -> Profile:

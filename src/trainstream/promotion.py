@@ -209,6 +209,9 @@ class Promotion:
                 f"lower the batch or sequence length.")
         for s in demoted:
             self.move(s, False)
+        if self._slots.accumulation_steps > 1:  # the profiled steps add micro-batches as the plan will
+            self._engine.pipeline.device_accumulate = not planner.adds_on_host_by_default(
+                self._add_on_host, chosen.streamed, [s.param.element_size() for s in order[chosen.resident:]])
         if chosen.streamed > self.streamed_count():
             self.stream(blocks[len(blocks) - chosen.streamed:len(blocks) - self.streamed_count()])
         elif demoted:
@@ -293,6 +296,8 @@ class Promotion:
         updated = stats["updated_elements"] - start["updated_elements"]
         # (with every parameter resident in the profiled steps, the rate the engine was measured at elsewhere)
         host_rate = (stats["busy_seconds"] - start["busy_seconds"]) / updated if updated else HOST_S_PER_PARAM
+        added = stats["added_elements"] - start["added_elements"]  # (where the threads added micro-batches)
+        add_rate = (stats["adding_seconds"] - start["adding_seconds"]) / added if added else None
         d2h, h2d, vram = self._bandwidths
         hook_s = lean_hook_s = 0.0
         if figures is not None:
@@ -316,6 +321,7 @@ class Promotion:
             fixed_activations=not deferred, streamed=self.streamed_count() if blocks else 0,
             profiled_resident=sum(1 for s in order if s.resident),
             stream_depth=self._depth, recompute=pager is None or pager.recompute, add_on_host=self._add_on_host,
+            host_add_s_per_element=add_rate,
             host_room=None if math.isinf(room := self._engine.host_room(self._host_held()))
             else int(room) + self.paging_slot_bytes())
 
