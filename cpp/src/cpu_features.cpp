@@ -42,6 +42,7 @@ CpuFeatures detect_cpu_features() {
   f.avx2_fma = ymm_state && fma && (ebx & bit_AVX2);
   f.avx512 = f.avx2_fma && zmm_state && (ebx & bit_AVX512F) && (ebx & bit_AVX512BW) &&
              (ebx & bit_AVX512VL);
+  f.avx512_vbmi = f.avx512 && (ecx & bit_AVX512VBMI);
 #endif
   return f;
 }

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "check.hpp"
+#include "../../cpp/src/adamw/adamw8bit_kernels.hpp"  // both AVX-512 decodes, side by side
 #include "trainstream/adamw.hpp"
 #include "trainstream/adamw8bit.hpp"
 #include "trainstream/errors.hpp"
@@ -276,6 +277,56 @@ TEST_CASE("every 8-bit kernel encodes as the scalar search does, on maps of any 
       CHECK(got.first == want.first);
       CHECK(std::memcmp(got.second.data(), want.second.data(), 4 * n) == 0);
     }
+  }
+}
+
+TEST_CASE("the AVX-512 8-bit update decodes by byte permutes (VBMI) to the bits it decodes by float permutes") {
+  if (!detect_cpu_features().avx512_vbmi) {
+    skip("AVX-512 VBMI decode", "this CPU lacks it");
+    return;
+  }
+  std::vector<float> map(256), unsigned_map(256);
+  for (int i = 0; i < 256; ++i) {  // every byte of the values differing from code to code
+    const float u = -1.0f + 2.0f * static_cast<float>(i) / 255.0f;
+    map[i] = std::copysign(std::pow(std::fabs(u), 2.7f), u) * (1.0f - 1e-7f * static_cast<float>(i % 7));
+    unsigned_map[i] = std::pow(static_cast<float>(i) / 255.0f, 4.1f);
+  }
+  map[0] = -1.0f;
+  map[255] = unsigned_map[255] = 1.0f;
+  std::uint32_t seed = 11;
+  const auto next = [&seed] { return seed = seed * 1664525u + 1013904223u; };
+  const std::size_t n = 7 * kQuantBlock, blocks = n / kQuantBlock;
+  std::vector<float> g(n);
+  std::vector<std::uint8_t> codes(2 * n);
+  std::vector<float> scales(2 * blocks);
+  for (std::size_t i = 0; i < n; ++i) g[i] = static_cast<float>(static_cast<std::int32_t>(next())) * 1e-10f;
+  for (std::size_t i = 0; i < 2 * n; ++i) codes[i] = static_cast<std::uint8_t>(i < 512 ? i % 256 : next() >> 24);
+  for (std::size_t i = 0; i < 2 * blocks; ++i) scales[i] = 0.01f * static_cast<float>(1 + i);
+  for (bool stochastic : {false, true}) {
+    const auto run = [&](auto kernel) {
+      std::vector<float> param(n, 0.25f), s = scales;
+      std::vector<std::uint16_t> param16(n, 0x3e80);
+      std::vector<std::uint8_t> c = codes;
+      AdamW8bitBuffers b;
+      if (stochastic) {
+        b.param16 = b.param16_out = param16.data();
+      } else {
+        b.param = b.param_out = param.data();
+      }
+      b.grad = g.data();
+      b.exp_avg = b.exp_avg_out = {c.data(), s.data()};
+      b.exp_avg_sq = b.exp_avg_sq_out = {c.data() + n, s.data() + blocks};
+      b.signed_qmap = map.data();
+      b.unsigned_qmap = unsigned_map.data();
+      b.numel = n;
+      AdamW8bitHyper h;
+      h.step = 3;
+      h.stochastic_round = stochastic;
+      kernel(b, adamw8bit_coeffs(h), eight_bit::quant_table(map.data()), eight_bit::quant_table(unsigned_map.data()),
+             0, blocks);
+      return std::make_tuple(c, s, param, param16);
+    };
+    CHECK(run(eight_bit::blocks_avx512_vbmi) == run(eight_bit::blocks_avx512));
   }
 }
 

@@ -13,6 +13,7 @@ enum class Isa : int { scalar = 0, avx2 = 1, avx512 = 2 };
 struct CpuFeatures {
   bool avx2_fma = false;  // AVX2 + FMA, with YMM state enabled by the OS
   bool avx512 = false;    // AVX-512 F/BW/VL, with ZMM state enabled by the OS
+  bool avx512_vbmi = false;  // and VBMI's byte permutes (the 8-bit update decodes with them)
 };
 
 CpuFeatures detect_cpu_features();

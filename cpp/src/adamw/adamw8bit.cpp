@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "adamw8bit_kernels.hpp"
+#include "trainstream/cpu_features.hpp"
 #include "trainstream/errors.hpp"
 
 namespace trainstream {
@@ -49,6 +50,11 @@ float from_order(std::int64_t o) {
 
 QuantTable::QuantTable(const float* qmap) {
   std::memcpy(map, qmap, sizeof map);
+  for (int i = 0; i < 256; ++i) {
+    std::uint32_t bits;
+    std::memcpy(&bits, qmap + i, sizeof bits);
+    for (int k = 0; k < 4; ++k) planes[k][i] = static_cast<std::uint8_t>(bits >> (8 * k));
+  }
   const std::int64_t top = QuantTable::order(0x3f800000);  // order(1.0f)
   for (unsigned i = 0; i < 255; ++i) {  // t_i: the least x in (map[i], map[i+1]] that rounds up
     std::int64_t lo = to_order(qmap[i]), hi = to_order(qmap[i + 1]);
@@ -222,7 +228,10 @@ AdamW8bitStep::AdamW8bitStep(const AdamW8bitBuffers& buf, const AdamW8bitHyper& 
   coeffs_ = adamw8bit_coeffs(hyper);
   signed_table_ = &eight_bit::quant_table(buf.signed_qmap);
   unsigned_table_ = &eight_bit::quant_table(buf.unsigned_qmap);
-  kernel_ = isa == Isa::avx512 ? eight_bit::blocks_avx512 : isa == Isa::avx2 ? eight_bit::blocks_avx2 : update_blocks;
+  static const bool vbmi = detect_cpu_features().avx512_vbmi;
+  kernel_ = isa == Isa::avx512 ? (vbmi ? eight_bit::blocks_avx512_vbmi : eight_bit::blocks_avx512)
+            : isa == Isa::avx2 ? eight_bit::blocks_avx2
+                               : update_blocks;
 }
 
 void AdamW8bitStep::run(std::size_t first, std::size_t last) const {

@@ -33,6 +33,7 @@ struct QuantTable {
   alignas(64) float levels[5][16];
   alignas(64) float group[7][32];
   alignas(64) float map[256];         // the map it was made for
+  alignas(64) std::uint8_t planes[4][256];  // planes[k][i]: byte k (from the least) of map[i]'s bits
   alignas(64) std::uint8_t start[kCells + 4];  // (+4: vector code gathers 32 bits at a cell)
   int steps = 0;
 
@@ -47,5 +48,8 @@ void blocks_avx2(const AdamW8bitBuffers&, const Coeffs&, const QuantTable&, cons
                  std::size_t);
 void blocks_avx512(const AdamW8bitBuffers&, const Coeffs&, const QuantTable&, const QuantTable&, std::size_t,
                    std::size_t);
+// The same update, decoding by byte permutes (AVX-512 VBMI): the same bits.
+void blocks_avx512_vbmi(const AdamW8bitBuffers&, const Coeffs&, const QuantTable&, const QuantTable&, std::size_t,
+                        std::size_t);
 
 }  // namespace trainstream::eight_bit

@@ -1,5 +1,6 @@
 // bf16 to and from vector registers, for the kernels built for AVX2 or AVX-512 (each form only
-// where its translation unit is compiled for it). Internal to cpp/src/adamw/.
+// where its translation unit is compiled for it, with internal linkage: files built for different
+// instructions each keep their own). Internal to cpp/src/adamw/.
 #pragma once
 
 #include <immintrin.h>
@@ -10,6 +11,7 @@
 #include "trainstream/adamw.hpp"
 
 namespace trainstream::simd {
+namespace {
 
 #if defined(__AVX2__)
 // Eight gradient elements as fp32, from fp32 or bf16.
@@ -105,4 +107,5 @@ inline __m256i to_bf16_stochastic(__m512 x, std::uint32_t k0, std::uint32_t k1, 
 }
 #endif
 
+}  // namespace
 }  // namespace trainstream::simd
