@@ -202,8 +202,9 @@ void bind_pipeline(py::module_& m) {
              d["landing_wait_seconds"] = s.landing_wait_seconds;
              return d;
            }, "Since it started: wall seconds some engine thread ran an update (busy_seconds) and the "
-              "elements updated; wall seconds some thread added a micro-batch into a host sum and the elements added; seconds "
-              "gradients waited to start their download (for queued jobs or the download budget).")
+              "elements updated; wall seconds some thread added a micro-batch into a host sum and the "
+              "elements added; seconds gradients waited to start their download (for queued jobs or the "
+              "download budget).")
       .def_property_readonly("downloading_bytes", &OffloadPipeline::downloading_bytes)
       .def("add_param", [](OffloadPipeline& o, std::size_t numel, const std::string& dtype, bool accumulate,
                            std::int64_t priority, bool with_state, const std::string& moments,

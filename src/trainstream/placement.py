@@ -385,10 +385,8 @@ def step_seconds(profile: Profile, plan: Plan) -> tuple[float, dict]:
     host_sums = [i for i in offloaded if not _vram_sum(profile, plan, i)]
     # micro-batches summed into host memory: a kernel reads and writes the fp32 sum over PCIe (the
     # Llama-3-8B shape under 24 GB on an H100 took 10.53 s a step so, 3.45 s of it summing, where
-    # the engine's threads added them in 7.81 s); the threads hide their adds behind the next
-    # micro-batch, up to its length
-    # added on the threads, what they cannot finish within a micro-batch holds the next one's
-    # gradients back (memory bandwidth: they read and write each fp32 sum)
+    # the engine's threads added them in 7.81 s); the threads' adds hide behind the next
+    # micro-batch, and what they cannot finish within it holds that one's gradients back
     summing = 0.0
     if acc > 1 and not adds_on_host(profile, plan):
         summing = (acc - 1) * sum(4 * params[i].numel for i in host_sums) / link

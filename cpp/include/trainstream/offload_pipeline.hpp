@@ -278,8 +278,9 @@ class OffloadPipeline {
   // thread ran a chunk of an update (jobs that only add micro-batches or measure are left out), and
   // elements updated, since construction. Beside them, where an accumulation window's time goes on
   // the host: wall seconds during which some thread added a micro-batch into a host sum (in a job
-  // with no update) and the elements added so, and seconds land_gradient() waited before its download could start (for the
-  // parameter's queued jobs, or for room in the download budget): the backward's hooks wait so.
+  // with no update) and the elements added so, and the seconds land_gradient() waited before a
+  // download could start (for the parameter's queued jobs, or for room in the download budget):
+  // the backward's hooks wait so.
   struct Stats {
     double busy_seconds = 0;
     std::uint64_t updated_elements = 0;

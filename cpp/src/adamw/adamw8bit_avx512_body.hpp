@@ -16,7 +16,6 @@
 namespace trainstream::eight_bit {
 namespace {
 
-
 inline __m512 absolute(__m512 x) {
   return _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(0x7fffffff)));
 }
@@ -83,11 +82,12 @@ inline void store_block(const float* values, __m512 amax, Quantized q, std::size
   }
 }
 
-// The update of blocks [first, last): `Decode64` gives the values of 64 codes of a map, as four
-// vectors in order (decode64 by permutes of floats; adamw8bit_avx512vbmi.cpp's by byte permutes).
-template <typename Decode64>
+// The update of blocks [first, last): `decode(table, codes, out)` gives the values of 64 codes of
+// a map as four vectors, in order (decode64 by permutes of floats; adamw8bit_avx512vbmi.cpp's by
+// byte permutes).
+template <typename Decode>
 inline void blocks(const AdamW8bitBuffers& buf, const Coeffs& c, const QuantTable& signed_table,
-                   const QuantTable& unsigned_table, std::size_t first, std::size_t last, Decode64 decode64) {
+                   const QuantTable& unsigned_table, std::size_t first, std::size_t last, Decode decode) {
   const __m512 grad_scale = _mm512_set1_ps(c.grad_scale), lr = _mm512_set1_ps(c.lr), lr_wd = _mm512_set1_ps(c.lr_wd);
   const __m512 bc1 = _mm512_set1_ps(c.bc1), bc2_sqrt = _mm512_set1_ps(c.bc2_sqrt), eps = _mm512_set1_ps(c.eps);
   const __m512 m_coeff = _mm512_set1_ps(c.m_coeff), v_coeff = _mm512_set1_ps(c.v_coeff);
@@ -100,8 +100,8 @@ inline void blocks(const AdamW8bitBuffers& buf, const Coeffs& c, const QuantTabl
     for (std::size_t i = 0; i < kQuantBlock; i += 16) {
       const std::size_t e = at + i;
       if (i % 64 == 0) {
-        decode64(signed_table, buf.exp_avg.codes + e, m_codes);
-        decode64(unsigned_table, buf.exp_avg_sq.codes + e, v_codes);
+        decode(signed_table, buf.exp_avg.codes + e, m_codes);
+        decode(unsigned_table, buf.exp_avg_sq.codes + e, v_codes);
       }
       const __m512 g = _mm512_mul_ps(simd::load_grad16(buf.grad, buf.grad_dtype, e), grad_scale);
       const __m512 m0 = _mm512_mul_ps(m_codes[i % 64 / 16], m_scale);
