@@ -190,6 +190,7 @@ def test_the_profiled_steps_add_micro_batches_where_the_plan_will_and_measure_th
     if bf16:
         assert opt.profile.host_add_s_per_element > 0
         assert planner.bound_seconds(opt.profile, opt.plan)["host_adds_s"] > 0
+        assert " ns/element (" in opt.describe()  # the rate, and a micro-batch's adds under the plan
     ref, ref_opt = make(dtype)
     ref, ref_opt = trainstream.wrap(ref, ref_opt, max_grad_norm=1.0, accumulation_steps=2,
                                     tuning=trainstream.Tuning(placement="offload", track_grad_norm=True))

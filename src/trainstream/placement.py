@@ -718,8 +718,11 @@ def describe(plan: Plan, profile: Profile, names: bool = False) -> str:
     else:
         lines.append(f"VRAM: expected peak {plan.expected_peak / GB:.2f} GB, no budget")
     lines.append(f"profile: forward {profile.forward_s * 1e3:.1f} ms of compute, backward ~{profile.backward_s * 1e3:.1f} ms, "
-                 f"host AdamW {profile.host_s_per_param * 1e9:.3f} ns/parameter, copies "
-                 f"{profile.d2h_bytes_per_s / GB:.1f}/{profile.h2d_bytes_per_s / GB:.1f} GB/s")
+                 f"host AdamW {profile.host_s_per_param * 1e9:.3f} ns/parameter"
+                 + ("" if profile.host_add_s_per_element is None else
+                    f", host adds {profile.host_add_s_per_element * 1e9:.3f} ns/element "
+                    f"({host_adding_seconds(profile, plan) * 1e3:.1f} ms a micro-batch under this plan)")
+                 + f", copies {profile.d2h_bytes_per_s / GB:.1f}/{profile.h2d_bytes_per_s / GB:.1f} GB/s")
     terms = ", ".join(f"{k.removesuffix('_s').replace('_', ' ')} {v * 1e3:.1f} ms"
                       for k, v in plan.step_terms.items() if v > 5e-4)
     lines.append(f"expected step {plan.expected_step_s * 1e3:.1f} ms ({terms})")
