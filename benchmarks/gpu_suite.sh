@@ -2,7 +2,7 @@
 # Build, test and benchmark on a CUDA machine in one go; logs and JSON land in $1 (default ./gpu-results).
 #   bash benchmarks/gpu_suite.sh [OUTDIR] [STAGES]
 # STAGES: comma list of build,tests,verify,adamw,step,placement,timeline,paging,large,sanitize,
-#         clipping,clipping_planned,planned_timeline,spec_timeline,compile,hf,streaming,stream_limit,stream_price,light,contention,distributed
+#         clipping,clipping_planned,planned_timeline,spec_timeline,compile,hf,hf_cap,host_adds,streaming,stream_limit,stream_price,light,contention,distributed
 #         (default: build,tests,verify,adamw,step)
 set -uo pipefail
 out="${1:-gpu-results}"
@@ -77,6 +77,21 @@ trainstream+vramacc+compile --json "$out/compile_acc8.json" 2>&1 | grep -A12 "^N
 fi
 if has hf; then  # the Hugging Face Trainer with its defaults (max_grad_norm=1.0, bf16=True), stock against ours
   python3 "$repo/benchmarks/hf_trainer.py" --accs 1,8 --compile off,on --json "$out/hf_trainer.json" 2>&1 | grep -A12 "^NVIDIA"
+fi
+if has hf_cap; then  # under a 16 GB cap: the raw loop and TrainStreamTrainer, each accumulation in a process of its own
+  for acc in 1 8; do
+    python3 "$repo/benchmarks/train_step.py" --clip 1.0 --vram-cap-gb 16 --vram-budget 15GB --acc "$acc" --steps 6 \
+      --warmup 4 --modes trainstream --json "$out/raw_cap16_acc$acc.json" 2>&1 | tail -4
+    python3 "$repo/benchmarks/hf_trainer.py" --accs "$acc" --compile off --trainers trainstream --vram-cap-gb 16 \
+      --vram-budget 15GB --json "$out/hf_trainer_cap16_acc$acc.json" 2>&1 | tail -6
+  done
+fi
+if has host_adds; then  # the Qwen2.5-7B shape under 24 GB at accumulation 8: the threads' adds, measured and planned
+  (while sleep 2; do free -m | awk 'NR==2{print $3}'; done) > "$out/host_adds_mem.txt" & sampler=$!
+  python3 "$repo/benchmarks/train_step.py" --arch qwen2 --hidden 3584 --layers 28 --intermediate 18944 --heads 28 \
+    --kv-heads 4 --vocab 152064 --batch 1 --seq 2048 --acc 8 --weights bf16 --clip 1.0 --host-model --steps 2 \
+    --warmup 2 --vram-cap-gb 24 --modes trainstream+8bit+sr --json "$out/host_adds_qwen24.json" 2>&1 | tail -12
+  kill "$sampler"; echo "machine memory in use, peak: $(sort -n "$out/host_adds_mem.txt" | tail -1) MiB"
 fi
 if has placement; then  # step time against a VRAM cap, TrainStream with no option but clipping, beside the peers
   for acc in 1 8; do
